@@ -1,0 +1,147 @@
+"""PPO value-function math: clipped value loss, loss aggregation, GAE and masked statistics.
+
+Every function takes a 0/1 (or bool) mask and never lets values at masked positions reach the result or
+its gradient: masked entries are replaced by zero *before* any arithmetic, so NaN/Inf padding is harmless.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    """`x` with masked-out entries replaced by 0 (a `where`, so NaN at masked positions cannot leak)."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    return _masked(x, mask).sum() if dim is None else _masked(x, mask).sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `x` over valid entries; 0 where there is none."""
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of `x` over valid entries (Bessel-corrected when `unbiased` and there are >= 2 of them)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        count = mask.bool().sum().to(var.dtype)
+        var = torch.where(count > 1, var * count / (count - 1).clamp(min=1), var)
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """Normalise `x` to unit variance over valid entries (and zero mean when `shift_mean`)."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def explained_variance(y_pred: Tensor, y_true: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var(y_true - y_pred) / Var(y_true) over valid entries; 0 when Var(y_true) is 0 (undefined)."""
+    y_pred, y_true = _masked(y_pred.float(), mask), _masked(y_true.float(), mask)
+    var_true = masked_var(y_true, mask, unbiased=False)
+    var_err = masked_var(y_true - y_pred, mask, unbiased=False)
+    return torch.where(var_true > 0, 1 - var_err / var_true.clamp(min=1e-30), torch.zeros_like(var_true))
+
+
+def _denominator(given: Tensor | float | None, local: Tensor) -> Tensor:
+    """The aggregation denominator: the caller's global one if given, else the local count; at least 1."""
+    d = local if given is None else torch.as_tensor(given, dtype=local.dtype, device=local.device)
+    return d.clamp(min=1)
+
+
+def agg_loss(
+    loss_mat: Tensor,
+    loss_mask: Tensor,
+    loss_agg_mode: str,
+    *,
+    dp_size: int = 1,
+    batch_num_tokens: Tensor | float | None = None,
+    global_batch_size: Tensor | float | None = None,
+    loss_scale_factor: float | None = None,
+) -> Tensor:
+    """Aggregate a [B, R] loss matrix to a scalar.
+
+    With the optional global denominators (`batch_num_tokens`: valid tokens, `global_batch_size`: non-empty
+    sequences, both counted over the whole mini-batch on all DP ranks) a micro-batch returns its share of
+    the mini-batch loss, times `dp_size` because data parallelism averages gradients (DESIGN §3).
+    `loss_scale_factor` is the horizon of `seq-mean-token-sum-norm` (default: R).
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is unknown; expected one of {LOSS_AGG_MODES}")
+    mask = loss_mask.bool()
+    loss_mat = _masked(loss_mat, mask)
+    tokens_per_seq = mask.sum(-1)
+    n_seqs = (tokens_per_seq > 0).sum().to(loss_mat.dtype)
+    if loss_agg_mode == "token-mean":
+        total = loss_mat.sum()
+        denom = _denominator(batch_num_tokens, tokens_per_seq.sum().to(loss_mat.dtype))
+    elif loss_agg_mode == "seq-mean-token-mean":
+        total = (loss_mat.sum(-1) / tokens_per_seq.clamp(min=1).to(loss_mat.dtype)).sum()
+        denom = _denominator(global_batch_size, n_seqs)
+    else:
+        total = loss_mat.sum()
+        denom = _denominator(global_batch_size, n_seqs)
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            denom = denom * (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return total / denom * dp_size
+
+
+def compute_value_loss(
+    vpreds: Tensor,
+    returns: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    cliprange_value: float | None,
+    loss_agg_mode: str = "token-mean",
+    **norm,
+) -> tuple[Tensor, Tensor]:
+    """Clipped PPO value loss `0.5·agg(max((v−R)², (clip(v, v_old±c)−R)²))` and the clipped fraction.
+
+    `cliprange_value=None` turns clipping off. `norm` is forwarded to `agg_loss` (global denominators).
+    """
+    mask = response_mask.bool()
+    vpreds, returns, values = _masked(vpreds, mask), _masked(returns, mask), _masked(values, mask)
+    unclipped = (vpreds - returns) ** 2
+    if cliprange_value is None:
+        loss_mat, clipfrac = unclipped, torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
+    else:
+        vclipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
+        clipped = (vclipped - returns) ** 2
+        loss_mat = torch.maximum(unclipped, clipped)
+        clipfrac = masked_mean((clipped > unclipped).to(vpreds.dtype), mask)
+    return 0.5 * agg_loss(loss_mat, mask, loss_agg_mode, **norm), clipfrac
+
+
+@torch.no_grad()
+def compute_gae_advantage_return(
+    token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over response tokens.
+
+    Masked positions are skipped (a masked gap carries the next value and advantage through), so
+    right padding and interior masks both work. Returns `(advantages, returns)`: advantages whitened over
+    valid tokens, returns = raw advantages + values; both 0 at masked positions.
+    """
+    mask = response_mask.bool()
+    rewards, values = _masked(token_level_rewards.float(), mask), _masked(values.float(), mask)
+    next_value = torch.zeros_like(values[:, 0])
+    last_gae = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[-1])):
+        valid = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * last_gae
+        advantages[:, t] = torch.where(valid, gae, 0.0)
+        next_value = torch.where(valid, values[:, t], next_value)
+        last_gae = torch.where(valid, gae, last_gae)
+    returns = _masked(advantages + values, mask)
+    return _masked(masked_whiten(advantages, mask), mask), returns

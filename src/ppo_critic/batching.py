@@ -1,0 +1,98 @@
+"""Which samples go together: mini-batches, fixed and dynamic (token-budget) micro-batches, order restore."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def mini_batch_indices(
+    batch_size: int, mini_batch_size: int, *, shuffle: bool = False, seed: int | None = None, epoch: int = 0
+) -> list[Tensor]:
+    """Row indices of each mini-batch: in order, or a permutation seeded by `seed + epoch` (same on all ranks)."""
+    if batch_size % mini_batch_size:
+        raise ValueError(
+            f"batch size {batch_size} is not divisible by ppo_mini_batch_size={mini_batch_size}; every "
+            "optimizer step must see a full mini-batch: send a multiple of it or change ppo_mini_batch_size"
+        )
+    if shuffle:
+        if seed is None:
+            raise ValueError("shuffle=True needs data_loader_seed")
+        order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed + epoch))
+    else:
+        order = torch.arange(batch_size)
+    return list(order.split(mini_batch_size))
+
+
+def fixed_micro_batches(batch_size: int, micro_batch_size: int) -> list[list[int]]:
+    """Consecutive groups of `micro_batch_size` rows (the last may be shorter)."""
+    return [list(range(i, min(i + micro_batch_size, batch_size))) for i in range(0, batch_size, micro_batch_size)]
+
+
+def balanced_partitions(weights: Sequence[int], k: int) -> list[list[int]]:
+    """Split item indices into `k` groups of near-equal total weight (Karmarkar–Karp largest differencing).
+
+    Each item starts as a k-way partial solution; the two with the largest spread are merged by pairing the
+    heaviest group of one with the lightest of the other, until one solution remains. Deterministic.
+    """
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    for i, w in enumerate(weights):
+        groups = [(int(w), [i])] + [(0, []) for _ in range(k - 1)]
+        heap.append((-int(w), i, groups))
+    heapq.heapify(heap)
+    tiebreak = len(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = sorted(
+            ((la + lb, ia + ib) for (la, ia), (lb, ib) in zip(a, reversed(b), strict=True)),
+            key=lambda g: -g[0],
+        )
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tiebreak, merged))
+        tiebreak += 1
+    if not heap:
+        return [[] for _ in range(k)]
+    return [sorted(items) for _, items in heap[0][2]]
+
+
+def check_token_budget(seq_lens: Sequence[int] | Tensor, max_token_len: int) -> None:
+    """Raise if one sequence alone exceeds the dynamic micro-batch budget (no split could fit it)."""
+    lens = seq_lens.tolist() if isinstance(seq_lens, Tensor) else seq_lens
+    longest = int(max(lens, default=0))
+    if longest > max_token_len:
+        raise ValueError(
+            f"a sequence has {longest} tokens but the dynamic micro-batch budget is {max_token_len} tokens "
+            "(ppo_max_token_len_per_gpu, or forward_max_token_len_per_gpu / meta_info['max_token_len'] for "
+            f"compute_values, × ulysses_sequence_parallel_size); raise it to at least {longest}"
+        )
+
+
+def dynamic_micro_batches(
+    seq_lens: Sequence[int] | Tensor, max_token_len: int, min_num_micro_batches: int = 1
+) -> list[list[int]]:
+    """Group rows into the fewest balanced micro-batches whose token totals never exceed `max_token_len`.
+
+    Starts from the lower bound ceil(total / budget) and adds a micro-batch until the balanced partition
+    fits. Groups are ordered by their first row; rows inside a group keep their order.
+    """
+    lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, Tensor) else seq_lens)]
+    check_token_budget(lens, max_token_len)
+    k = max(math.ceil(sum(lens) / max_token_len), min_num_micro_batches, 1)
+    while True:
+        groups = balanced_partitions(lens, k)
+        if all(sum(lens[i] for i in g) <= max_token_len for g in groups):
+            nonempty = sorted((g for g in groups if g), key=lambda g: g[0])
+            return nonempty + [g for g in groups if not g]
+        k += 1
+
+
+def restore_order(outputs: Sequence[Tensor], groups: Sequence[Sequence[int]]) -> Tensor:
+    """Concatenate per-group outputs and put row i of the original batch back at position i."""
+    order = torch.tensor([i for g in groups for i in g], dtype=torch.long)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    return torch.cat(list(outputs), dim=0)[inverse.to(outputs[0].device)]

@@ -1,0 +1,244 @@
+"""Critic configuration: dataclasses with verl's field names, built from a dict, an OmegaConf node or itself.
+
+`CriticConfig.from_any(cfg)` accepts what a verl user already has (their `critic` config section) and
+rejects unknown keys by name. `validate()` lists every inconsistent setting in one error.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppo_critic.algos import LOSS_AGG_MODES
+
+STRATEGIES = ("fsdp2", "fsdp", "ddp", "none")
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+DTYPES |= {"float16": "float16", "fp16": "float16"}
+VALUE_HEAD_INIT = re.compile(r"^(default|zero|normal:(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?)$")
+HEAD_KINDS = ("auto", "token_classification", "generic")
+WARMUP_STYLES = ("constant", "cosine")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and LR-schedule settings (used by the worker that builds the optimizer)."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+    total_training_steps: int = -1
+    warmup_style: str = "constant"
+    min_lr_ratio: float | None = None
+
+
+@dataclass
+class ModelConfig:
+    """How the value model is built (`ppo_critic.build_value_model`) and run."""
+
+    path: str | None = None
+    tokenizer_path: str | None = None
+    override_config: dict = field(default_factory=dict)
+    external_lib: str | None = None
+    trust_remote_code: bool = False
+    use_remove_padding: bool = False
+    enable_gradient_checkpointing: bool = False
+    enable_activation_offload: bool = False
+    use_shm: bool = False
+    fsdp_config: dict = field(default_factory=dict)
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+    head: str = "auto"
+    value_head_init: str = "default"
+    value_head_dtype: str | None = None
+    attn_implementation: str | None = None
+
+
+@dataclass
+class CriticConfig:
+    """The critic section of a verl config. Batch sizes are per data-parallel rank (verl's convention)."""
+
+    strategy: str = "fsdp2"
+    ppo_mini_batch_size: int = 256
+    ppo_micro_batch_size: int | None = None
+    ppo_micro_batch_size_per_gpu: int | None = None
+    forward_micro_batch_size: int | None = None
+    forward_micro_batch_size_per_gpu: int | None = None
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int | None = None
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    data_loader_seed: int | None = None
+    cliprange_value: float | None = 0.5
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None
+    grad_clip: float | None = 1.0
+    ulysses_sequence_parallel_size: int = 1
+    dtype: str | None = None
+    rollout_n: int = 1
+    enable: bool | None = None
+    checkpoint: dict = field(default_factory=dict)
+    profiler: dict = field(default_factory=dict)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    @classmethod
+    def from_any(cls, cfg: Any) -> CriticConfig:
+        """Build from a CriticConfig, a nested dict or an OmegaConf node; validates the result."""
+        if isinstance(cfg, CriticConfig):
+            config = copy.deepcopy(cfg)
+        else:
+            if type(cfg).__module__.startswith("omegaconf"):
+                from omegaconf import OmegaConf
+
+                cfg = OmegaConf.to_container(cfg, resolve=True)
+            if not isinstance(cfg, Mapping):
+                raise TypeError(
+                    f"critic config must be a CriticConfig, a dict or an OmegaConf node, got {type(cfg).__name__}"
+                )
+            config = _from_mapping(cls, cfg, prefix="")
+        config.validate()
+        return config
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def micro_batch_sizes(self, dp_size: int = 1) -> tuple[int, int | None]:
+        """Per-rank `(train, forward)` micro-batch sizes.
+
+        Per-GPU fields win; verl's deprecated global fields are divided by `dp_size`; an unset train size
+        means one micro-batch per mini-batch, an unset forward size falls back to the train size.
+        """
+        train = self.ppo_micro_batch_size_per_gpu
+        if train is None and self.ppo_micro_batch_size is not None:
+            train = max(self.ppo_micro_batch_size // dp_size, 1)
+        forward = self.forward_micro_batch_size_per_gpu
+        if forward is None and self.forward_micro_batch_size is not None:
+            forward = max(self.forward_micro_batch_size // dp_size, 1)
+        train = self.ppo_mini_batch_size if train is None else train
+        return train, train if forward is None else forward
+
+    @property
+    def forward_max_token_len(self) -> int:
+        return self.forward_max_token_len_per_gpu or self.ppo_max_token_len_per_gpu
+
+    @property
+    def torch_dtype_name(self) -> str | None:
+        """Canonical compute dtype name, or None for the device default (bf16 on CUDA, fp32 on CPU)."""
+        return None if self.dtype is None else DTYPES[self.dtype]
+
+    def validate(self) -> None:
+        """Raise one ValueError listing every invalid or contradictory setting (with the fix)."""
+        errors = _positive_int_errors(
+            self,
+            ["ppo_mini_batch_size", "ppo_max_token_len_per_gpu", "ppo_epochs", "ulysses_sequence_parallel_size"],
+            [
+                "ppo_micro_batch_size",
+                "ppo_micro_batch_size_per_gpu",
+                "forward_micro_batch_size",
+                "forward_micro_batch_size_per_gpu",
+                "forward_max_token_len_per_gpu",
+            ],
+        )
+        errors += _choice_errors(
+            {"loss_agg_mode": (self.loss_agg_mode, LOSS_AGG_MODES), "strategy": (self.strategy, STRATEGIES)}
+        )
+        if self.dtype is not None and self.dtype not in DTYPES:
+            errors.append(f"dtype={self.dtype!r} is unknown; use one of {sorted(DTYPES)} or null for the default")
+        for name in ("cliprange_value", "grad_clip", "loss_scale_factor"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                errors.append(f"{name}={value!r} must be a positive number or null (off)")
+        if not self.use_dynamic_bsz and not errors:
+            micro = self.micro_batch_sizes()[0]
+            if self.ppo_mini_batch_size % micro:
+                errors.append(
+                    f"ppo_mini_batch_size={self.ppo_mini_batch_size} is not divisible by the micro-batch size "
+                    f"{micro} (ppo_micro_batch_size_per_gpu); choose a divisor, or set use_dynamic_bsz=true"
+                )
+        if self.shuffle and self.data_loader_seed is None:
+            errors.append("shuffle=true needs data_loader_seed (an int) so every rank shuffles identically")
+        if self.ulysses_sequence_parallel_size > 1 and not self.model.use_remove_padding:
+            errors.append("ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true")
+        errors += self.model_errors() + self.optim_errors()
+        if errors:
+            raise ValueError("invalid critic config:\n  - " + "\n  - ".join(errors))
+
+    def model_errors(self) -> list[str]:
+        m = self.model
+        errors = _choice_errors({"model.head": (m.head, HEAD_KINDS)})
+        if not isinstance(m.value_head_init, str) or not VALUE_HEAD_INIT.match(m.value_head_init):
+            errors.append(
+                f"model.value_head_init={m.value_head_init!r} is invalid; use 'default', 'zero' or 'normal:<std>'"
+            )
+        if m.value_head_dtype is not None and m.value_head_dtype not in DTYPES:
+            errors.append(f"model.value_head_dtype={m.value_head_dtype!r} is unknown; use one of {sorted(DTYPES)}")
+        if m.lora_rank:
+            errors.append(f"model.lora_rank={m.lora_rank}: LoRA critics are not supported yet; set 0")
+        if m.enable_activation_offload:
+            errors.append("model.enable_activation_offload=true is not supported yet; set false")
+        return errors
+
+    def optim_errors(self) -> list[str]:
+        o = self.optim
+        errors = _choice_errors({"optim.warmup_style": (o.warmup_style, WARMUP_STYLES)})
+        if not (isinstance(o.lr, int | float) and o.lr >= 0):
+            errors.append(f"optim.lr={o.lr!r} must be a number >= 0")
+        if len(tuple(o.betas)) != 2 or not all(0 <= b < 1 for b in o.betas):
+            errors.append(f"optim.betas={o.betas!r} must be two numbers in [0, 1)")
+        if o.min_lr_ratio is not None and not 0 <= o.min_lr_ratio <= 1:
+            errors.append(f"optim.min_lr_ratio={o.min_lr_ratio!r} must be in [0, 1]")
+        return errors
+
+
+def _positive_int_errors(cfg: Any, required: list[str], optional: list[str]) -> list[str]:
+    errors = []
+    for name in required + optional:
+        value = getattr(cfg, name)
+        if value is None and name in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            errors.append(f"{name}={value!r} must be a positive integer" + (" or null" if name in optional else ""))
+    return errors
+
+
+def _choice_errors(choices: dict[str, tuple[Any, tuple[str, ...]]]) -> list[str]:
+    return [
+        f"{name}={value!r} is unknown; expected one of {allowed}"
+        for name, (value, allowed) in choices.items()
+        if value not in allowed
+    ]
+
+
+def _from_mapping(cls: type, data: Mapping, prefix: str) -> Any:
+    """Instantiate dataclass `cls` from `data`, recursing into nested dataclasses; unknown keys are errors."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key == "_target_":  # verl's instantiation hint
+            continue
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {prefix}{close[0]!r}?" if close else f"; known keys: {sorted(fields)}"
+            raise ValueError(f"unknown critic config key {prefix}{key!r}{hint}")
+        sub = _nested_dataclass(cls, key)
+        if sub is not None:
+            if not isinstance(value, Mapping):
+                raise TypeError(f"critic config key {prefix}{key!r} must be a mapping, got {type(value).__name__}")
+            value = _from_mapping(sub, value, prefix=f"{prefix}{key}.")
+        elif key == "betas":
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _nested_dataclass(cls: type, name: str) -> type | None:
+    return {(CriticConfig, "model"): ModelConfig, (CriticConfig, "optim"): OptimConfig}.get((cls, name))

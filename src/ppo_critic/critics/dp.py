@@ -1,0 +1,144 @@
+"""`DataParallelPPOCritic`: verl's critic API on a plain (or later DDP/FSDP-wrapped) module.
+
+`update_critic` reads like the PPO paper: epochs → mini-batches → micro-batches → one optimizer step per
+mini-batch. How a micro-batch is run (padded today; packed, sharded later) lives in `_forward_micro_batch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ppo_critic.algos import compute_value_loss
+from ppo_critic.batch import MODEL_KEYS, Batch
+from ppo_critic.batching import (
+    check_token_budget,
+    dynamic_micro_batches,
+    fixed_micro_batches,
+    mini_batch_indices,
+    restore_order,
+)
+from ppo_critic.config import CriticConfig
+from ppo_critic.critics.base import UPDATE_KEYS, UpdateMetrics, compute_dtype, local_loss_denominators
+from ppo_critic.models.hf import token_values
+
+
+class DataParallelPPOCritic:
+    """PPO value-model trainer: `compute_values(batch)` and `update_critic(batch)` (DESIGN §2–3)."""
+
+    def __init__(self, config: Any, critic_module: nn.Module, critic_optimizer: torch.optim.Optimizer):
+        self.config = CriticConfig.from_any(config)
+        if self.config.model.use_remove_padding:
+            raise ValueError("model.use_remove_padding=true is not available yet; set it to false")
+        if self.config.ulysses_sequence_parallel_size != 1:
+            raise ValueError("ulysses_sequence_parallel_size > 1 is not available yet; set it to 1")
+        self.critic_module = critic_module
+        self.critic_optimizer = critic_optimizer
+        self.device = next(critic_module.parameters()).device
+        self.compute_dtype = compute_dtype(self.config, self.device)
+        self.dp_size = 1
+        self.sp_size = self.config.ulysses_sequence_parallel_size
+
+    @torch.no_grad()
+    def compute_values(self, data: Any) -> Tensor:
+        """Values [B, R] (float32, CPU) of each response token; exactly 0 at masked positions.
+
+        verl's `meta_info` keys `micro_batch_size`, `use_dynamic_bsz` and `max_token_len` override the
+        forward settings of the config for this call.
+        """
+        batch = Batch.from_any(data)
+        batch.validate()
+        meta = batch.meta_info
+        use_dynamic = bool(meta.get("use_dynamic_bsz", self.config.use_dynamic_bsz))
+        micro_batch_size = int(meta.get("micro_batch_size", self.config.micro_batch_sizes(self.dp_size)[1]))
+        max_token_len = int(meta.get("max_token_len", self.config.forward_max_token_len)) * self.sp_size
+        batch = batch.select((*MODEL_KEYS, "response_mask")).to(self.device, non_blocking=True)
+        groups = self._micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
+        self.critic_module.eval()
+        values = restore_order([self._forward_micro_batch(batch.index(g)) for g in groups], groups)
+        return torch.where(batch.response_mask.bool(), values, 0.0).float().cpu()
+
+    def update_critic(self, data: Any) -> dict[str, float]:
+        """PPO epochs × mini-batches of the clipped value loss; one optimizer step per mini-batch.
+
+        All checks run before the first step, so a bad batch changes neither parameters nor optimizer state.
+        """
+        cfg = self.config
+        batch = Batch.from_any(data)
+        batch.validate(require_targets=True)
+        mini_batch_indices(len(batch), cfg.ppo_mini_batch_size)  # raises if B is not a multiple
+        max_token_len = cfg.ppo_max_token_len_per_gpu * self.sp_size
+        if cfg.use_dynamic_bsz:
+            check_token_budget(batch["attention_mask"].sum(-1), max_token_len)
+        batch = batch.select(UPDATE_KEYS).to(self.device, non_blocking=True)
+        metrics = UpdateMetrics(self.device)
+        self.critic_module.train()
+        start = time.perf_counter()
+        for epoch in range(cfg.ppo_epochs):
+            for rows in mini_batch_indices(
+                len(batch), cfg.ppo_mini_batch_size, shuffle=cfg.shuffle, seed=cfg.data_loader_seed, epoch=epoch
+            ):
+                self._optimizer_step(batch.index(rows), metrics, max_token_len)
+        lr = self.critic_optimizer.param_groups[0]["lr"]
+        return metrics.result(batch, lr, time.perf_counter() - start, cfg.ppo_epochs)
+
+    def _optimizer_step(self, mini_batch: Batch, metrics: UpdateMetrics, max_token_len: int) -> None:
+        """Accumulate the gradient of one mini-batch over its micro-batches, clip, and step (or skip)."""
+        cfg = self.config
+        norm = {**local_loss_denominators(mini_batch.response_mask), "dp_size": self.dp_size}
+        norm["loss_scale_factor"] = cfg.loss_scale_factor
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), device=self.device)
+        micro_size = cfg.micro_batch_sizes(self.dp_size)[0]
+        for rows in self._micro_batches(mini_batch, cfg.use_dynamic_bsz, micro_size, max_token_len):
+            micro = mini_batch.index(rows)
+            vpreds = self._forward_micro_batch(micro)
+            mask = micro.response_mask
+            loss, clipfrac = compute_value_loss(
+                vpreds, micro["returns"], micro["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **norm
+            )
+            loss.backward()
+            step_loss += loss.detach()
+            metrics.add_micro_batch(vpreds, clipfrac, mask)
+        grad_norm = self._clip_grad_norm()
+        if torch.isfinite(grad_norm):
+            self.critic_optimizer.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        metrics.add_step(step_loss / self.dp_size, grad_norm)
+
+    def _clip_grad_norm(self) -> Tensor:
+        """Total gradient norm before clipping (clipping only when `grad_clip` is set)."""
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
+        params = [p for p in self.critic_module.parameters() if p.grad is not None]
+        if not params:
+            return torch.zeros((), device=self.device)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+
+    def _micro_batches(self, batch: Batch, dynamic: bool, size: int, max_token_len: int) -> list[list[int]]:
+        if dynamic:
+            return dynamic_micro_batches(batch["attention_mask"].sum(-1), max_token_len)
+        return fixed_micro_batches(len(batch), size)
+
+    def _forward_micro_batch(self, micro: Batch) -> Tensor:
+        """Values [b, R] in float32: the model output at the position before each response token."""
+        position_ids = micro["position_ids"]
+        if position_ids.dim() == 3:  # [B, 3, T] mrope → the [3, B, T] that Qwen2-VL expects
+            position_ids = position_ids.transpose(0, 1)
+        with self._autocast():
+            output = self.critic_module(
+                input_ids=micro["input_ids"],
+                attention_mask=micro["attention_mask"],
+                position_ids=position_ids,
+                use_cache=False,
+            )
+        r = micro.response_length
+        return token_values(self.critic_module, output)[:, -r - 1 : -1].float()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)

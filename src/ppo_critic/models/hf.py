@@ -1,0 +1,220 @@
+"""Value models from transformers: `*ForTokenClassification(num_labels=1)`, any backbone + a linear head, or a
+caller-built TRL-style module with a `v_head`.
+
+Every value model returns one scalar per token; `token_values` reads it from the model's output.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ppo_critic.config import DTYPES, HEAD_KINDS, VALUE_HEAD_INIT
+
+HEAD_NAMES = ("score", "classifier", "v_head", "value_head")
+
+
+class ValueHead(nn.Linear):
+    """`Linear(hidden, 1)` computed in its own parameter dtype (e.g. fp32 under bf16 autocast).
+
+    A Linear subclass, so state-dict keys stay `<head>.weight` / `<head>.bias` as in HF checkpoints.
+    """
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+
+
+class ValueModel(nn.Module):
+    """Any transformers backbone (`AutoModel`) followed by a `ValueHead`: makes every architecture a critic."""
+
+    def __init__(self, backbone: nn.Module, head_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.model = backbone
+        self.config = backbone.config
+        hidden = _text_config(backbone.config).hidden_size
+        dtype = head_dtype or next(backbone.parameters()).dtype
+        self.score = ValueHead(hidden, 1, device=next(backbone.parameters()).device, dtype=dtype)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=False, **kwargs):
+        from transformers.modeling_outputs import TokenClassifierOutput
+
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache, **kwargs
+        )
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return TokenClassifierOutput(logits=self.score(hidden))
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.model.gradient_checkpointing_enable(**kwargs)
+
+
+def build_value_model(
+    model: Any,
+    *,
+    head: str = "auto",
+    value_head_init: str = "default",
+    value_head_dtype: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    override_config: Mapping[str, Any] | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """A value model from a transformers config, a config dict (with `model_type`), a local path, or a module.
+
+    `head`: `auto` (TokenClassification when the architecture has one, else generic), `token_classification`
+    or `generic` (`AutoModel` + `Linear(hidden, 1)`). Weights are loaded when `model` is a path holding them;
+    a head missing from the checkpoint is initialised by `value_head_init` (`default`, `zero`,
+    `normal:<std>`). Head dropout is 0. A caller-built module must expose a TRL-style `v_head`.
+    """
+    if head not in HEAD_KINDS:
+        raise ValueError(f"head={head!r} is unknown; expected one of {HEAD_KINDS}")
+    if not VALUE_HEAD_INIT.match(value_head_init):
+        raise ValueError(f"value_head_init={value_head_init!r} is invalid; use 'default', 'zero' or 'normal:<std>'")
+    head_dtype = _dtype(value_head_dtype, "value_head_dtype")
+    if isinstance(model, nn.Module):
+        if not hasattr(model, "v_head"):
+            raise TypeError(
+                f"a caller-built {type(model).__name__} must expose a TRL-style `v_head` (values at output index 2); "
+                "otherwise pass a transformers config, a config dict or a model path"
+            )
+        _finish_head(model, value_head_init if value_head_init != "default" else None, head_dtype)
+        return model
+    path = os.fspath(model) if isinstance(model, str | os.PathLike) else None
+    config = _hf_config(model, trust_remote_code)
+    for key, value in (override_config or {}).items():
+        setattr(config, key, value)
+    config.num_labels, config.classifier_dropout, config.use_cache = 1, 0.0, False
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    auto_cls = _auto_class(config, head)
+    param_dtype = _dtype(dtype, "dtype") or torch.float32
+    if path is not None and _has_weights(path):
+        built, info = auto_cls.from_pretrained(
+            path, config=config, dtype=param_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+        )
+        head_loaded = not any(k.split(".")[0] in HEAD_NAMES for k in info["missing_keys"])
+    else:
+        built = auto_cls.from_config(config, trust_remote_code=trust_remote_code).to(param_dtype)
+        head_loaded = False
+    if head == "generic" or auto_cls.__name__ == "AutoModel":
+        built, head_loaded = ValueModel(built, head_dtype), False
+    init = None if head_loaded else value_head_init
+    _finish_head(built, None if init == "default" else init, head_dtype)
+    return built
+
+
+def token_values(module: nn.Module, output: Any) -> Tensor:
+    """Per-token values [B, T] from a value model's output (TRL `v_head` tuple index 2, else `.logits`)."""
+    inner = getattr(module, "module", module)  # DDP / FSDP1 wrappers
+    if hasattr(module, "v_head") or hasattr(inner, "v_head"):
+        values = output[2]
+    else:
+        values = output.logits if hasattr(output, "logits") else output[0]
+    if values.dim() == 3:
+        if values.shape[-1] != 1:
+            raise ValueError(f"a value model must output one scalar per token; got logits of shape {values.shape}")
+        values = values.squeeze(-1)
+    return values
+
+
+def find_value_head(model: nn.Module) -> tuple[nn.Module, str]:
+    """(parent, attribute) of the `Linear(hidden, 1)` value head."""
+    for name in HEAD_NAMES:
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Linear) and head.out_features == 1:
+            return model, name
+        if isinstance(head, nn.Module):
+            for sub_name, sub in head.named_children():
+                if isinstance(sub, nn.Linear) and sub.out_features == 1:
+                    return head, sub_name
+    raise ValueError(f"{type(model).__name__} has no Linear(hidden, 1) value head named one of {HEAD_NAMES}")
+
+
+def _finish_head(model: nn.Module, init: str | None, head_dtype: torch.dtype | None) -> None:
+    """Apply head init, fp32 (or other) head dtype, and zero head dropout."""
+    parent, name = find_value_head(model)
+    linear: nn.Linear = getattr(parent, name)
+    if head_dtype is not None and (linear.weight.dtype != head_dtype or not isinstance(linear, ValueHead)):
+        new = ValueHead(
+            linear.in_features, 1, bias=linear.bias is not None, device=linear.weight.device, dtype=head_dtype
+        )
+        with torch.no_grad():
+            new.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                new.bias.copy_(linear.bias)
+        setattr(parent, name, new)
+        linear = new
+    if init is not None:
+        with torch.no_grad():
+            if init == "zero":
+                linear.weight.zero_()
+            else:
+                linear.weight.normal_(0.0, float(init.split(":", 1)[1]))
+            if linear.bias is not None:
+                linear.bias.zero_()
+    for container in (model, parent):
+        for child in container.children():
+            if isinstance(child, nn.Dropout):
+                child.p = 0.0
+
+
+def _hf_config(model: Any, trust_remote_code: bool):
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return copy.deepcopy(model)
+    if isinstance(model, Mapping):
+        fields = dict(model)
+        if "model_type" not in fields:
+            raise ValueError("a value-model config dict needs 'model_type' (e.g. 'qwen2', 'llama')")
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if isinstance(model, str | os.PathLike):
+        path = os.fspath(model)
+        try:
+            return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as err:
+            where = (
+                "local directory without a valid config.json" if os.path.exists(path) else "path that does not exist"
+            )
+            raise FileNotFoundError(f"model path {path!r} is a {where}: {err}") from err
+    raise TypeError(
+        f"build_value_model takes a transformers config, a dict, a path or a module, got {type(model).__name__}"
+    )
+
+
+def _auto_class(config, head: str):
+    from transformers import AutoModel, AutoModelForTokenClassification
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    has_tc = config.model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+    if head == "token_classification" and not has_tc:
+        raise ValueError(
+            f"model_type {config.model_type!r} has no *ForTokenClassification in the installed transformers; "
+            "use head='generic' (or 'auto')"
+        )
+    return AutoModelForTokenClassification if has_tc and head != "generic" else AutoModel
+
+
+def _has_weights(path: str) -> bool:
+    if not os.path.isdir(path):
+        return False
+    return any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
+
+
+def _dtype(value: str | torch.dtype | None, name: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value not in DTYPES:
+        raise ValueError(f"{name}={value!r} is unknown; use one of {sorted(DTYPES)}")
+    return getattr(torch, DTYPES[value])
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
