@@ -38,18 +38,26 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
 
 
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-    """Normalise `x` to unit variance over valid entries (and zero mean when `shift_mean`)."""
+    """Normalise `x` to unit variance over valid entries (and zero mean when `shift_mean`); 0 where masked."""
+    x = _masked(x, mask)
     mean, var = masked_mean(x, mask), masked_var(x, mask)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
-    return whitened if shift_mean else whitened + mean
+    return _masked(whitened if shift_mean else whitened + mean, mask)
 
 
 def explained_variance(y_pred: Tensor, y_true: Tensor, mask: Tensor) -> Tensor:
-    """1 - Var(y_true - y_pred) / Var(y_true) over valid entries; 0 when Var(y_true) is 0 (undefined)."""
-    y_pred, y_true = _masked(y_pred.float(), mask), _masked(y_true.float(), mask)
+    """1 - Var(y_true - y_pred) / Var(y_true) over valid entries, in float64.
+
+    Undefined (returned as 0) when y_true is constant up to rounding or nothing is valid.
+    """
+    out_dtype = torch.promote_types(y_true.dtype, torch.float32)
+    y_pred, y_true = _masked(y_pred.double(), mask), _masked(y_true.double(), mask)
     var_true = masked_var(y_true, mask, unbiased=False)
     var_err = masked_var(y_true - y_pred, mask, unbiased=False)
-    return torch.where(var_true > 0, 1 - var_err / var_true.clamp(min=1e-30), torch.zeros_like(var_true))
+    scale = masked_mean(y_true**2, mask)
+    defined = var_true > 1e-12 * scale
+    ratio = torch.where(defined, 1 - var_err / var_true.clamp(min=1e-300), torch.zeros_like(var_true))
+    return ratio.to(out_dtype)
 
 
 def _denominator(given: Tensor | float | None, local: Tensor) -> Tensor:
@@ -132,7 +140,8 @@ def compute_gae_advantage_return(
     valid tokens, returns = raw advantages + values; both 0 at masked positions.
     """
     mask = response_mask.bool()
-    rewards, values = _masked(token_level_rewards.float(), mask), _masked(values.float(), mask)
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    rewards, values = _masked(token_level_rewards.to(dtype), mask), _masked(values.to(dtype), mask)
     next_value = torch.zeros_like(values[:, 0])
     last_gae = torch.zeros_like(values[:, 0])
     advantages = torch.zeros_like(values)
@@ -144,4 +153,4 @@ def compute_gae_advantage_return(
         next_value = torch.where(valid, values[:, t], next_value)
         last_gae = torch.where(valid, gae, last_gae)
     returns = _masked(advantages + values, mask)
-    return _masked(masked_whiten(advantages, mask), mask), returns
+    return masked_whiten(advantages, mask), returns

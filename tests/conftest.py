@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny fp32 value models and rollout batches in the layout of DESIGN §3."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+}
+
+
+def tiny_config(model_type: str = "qwen2", **overrides) -> dict:
+    return {"model_type": model_type, **TINY, **overrides}
+
+
+def make_batch(
+    batch_size: int = 8, prompt_len: int = 6, response_len: int = 5, seed: int = 0, vocab: int = 128
+) -> dict[str, torch.Tensor]:
+    """Left-padded prompts and right-padded responses of varied lengths (every row has >= 1 response token)."""
+    g = torch.Generator().manual_seed(seed)
+    t = prompt_len + response_len
+    input_ids = torch.randint(0, vocab, (batch_size, t), generator=g)
+    attention_mask = torch.ones(batch_size, t, dtype=torch.long)
+    for i in range(batch_size):
+        pad_left = int(torch.randint(0, prompt_len, (1,), generator=g))
+        resp = int(torch.randint(1, response_len + 1, (1,), generator=g))
+        attention_mask[i, :pad_left] = 0
+        attention_mask[i, prompt_len + resp :] = 0
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "responses": input_ids[:, -response_len:],
+        "values": torch.randn(batch_size, response_len, generator=g) * 0.5,
+        "returns": torch.randn(batch_size, response_len, generator=g),
+    }
+
+
+def state_hash(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
+    """A digest of parameters and optimizer state: equal digests mean nothing changed."""
+    h = hashlib.sha256()
+    for name, p in module.state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for key, value in sorted(state.items()):
+                h.update(key.encode())
+                if isinstance(value, torch.Tensor):
+                    h.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+                else:
+                    h.update(repr(value).encode())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2():
+    """A factory of identical tiny Qwen2 value models (same seed → same weights)."""
+    from ppo_critic import build_value_model
+
+    def build(seed: int = 0, **kwargs):
+        torch.manual_seed(seed)
+        return build_value_model(tiny_config("qwen2"), **kwargs)
+
+    return build

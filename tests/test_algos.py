@@ -1,0 +1,422 @@
+"""Hand-computed checks of the PPO value math in `ppo_critic.algos` (DESIGN §3).
+
+Every expected number below is written out and derived by hand in the comments; nothing re-implements the
+function under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from ppo_critic.algos import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    compute_gae_advantage_return,
+    compute_value_loss,
+    explained_variance,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+)
+
+NAN, INF = float("nan"), float("inf")
+F64 = torch.float64
+
+
+def t64(rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=F64)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# compute_value_loss
+# --------------------------------------------------------------------------------------------------------------
+# Clip range c = 0.5. Row 0 is fully valid, row 1 has its last token masked, row 2 is fully masked.
+#
+# row 0:  vpred  v_old  return  clip range   vclip   l1=(vpred-R)^2      l2=(vclip-R)^2     max     l2>l1
+#   t0    2.0    1.0    3.0     [0.5, 1.5]   1.5     1                   2.25               2.25    yes
+#   t1    0.25   0.0    1.0     [-.5, 0.5]   0.25    0.5625              0.5625             0.5625  no
+#   t2    1.0    2.0    1.0     [1.5, 2.5]   1.5     0                   0.25               0.25    yes
+#   row sum 3.0625 = 49/16 over 3 tokens            (unclipped row sum: 1 + 0.5625 + 0 = 1.5625 = 25/16)
+# row 1:
+#   t0   -1.0    0.0    0.0     [-.5, 0.5]  -0.5     1                   0.25               1       no
+#   t1    1.0    2.0    0.5     [1.5, 2.5]   1.5     0.25                1                  1       yes
+#   t2    masked (garbage)
+#   row sum 2 over 2 tokens                          (unclipped row sum: 1 + 0.25 = 1.25 = 5/4)
+# row 2: masked (garbage)
+#
+# valid tokens 5, non-empty sequences 2, horizon R = 3, clipped (l2 > l1) tokens 3 -> clipfrac 3/5 = 0.6
+# clipped total 81/16 = 5.0625:
+#   token-mean               0.5 * 5.0625 / 5            = 0.50625
+#   seq-mean-token-sum       0.5 * 5.0625 / 2            = 1.265625
+#   seq-mean-token-mean      0.5 * (49/48 + 2/2) / 2     = 97/192
+#   seq-mean-token-sum-norm  0.5 * 5.0625 / (2 * 3)      = 0.421875
+# unclipped total 45/16 = 2.8125:
+#   token-mean               0.5 * 2.8125 / 5            = 0.28125
+#   seq-mean-token-sum       0.5 * 2.8125 / 2            = 0.703125
+#   seq-mean-token-mean      0.5 * (25/48 + 5/8) / 2     = 55/192
+#   seq-mean-token-sum-norm  0.5 * 2.8125 / (2 * 3)      = 0.234375
+CLIP = 0.5
+CLIPPED_LOSS = {
+    "token-mean": 0.50625,
+    "seq-mean-token-sum": 1.265625,
+    "seq-mean-token-mean": 97 / 192,
+    "seq-mean-token-sum-norm": 0.421875,
+}
+UNCLIPPED_LOSS = {
+    "token-mean": 0.28125,
+    "seq-mean-token-sum": 0.703125,
+    "seq-mean-token-mean": 55 / 192,
+    "seq-mean-token-sum-norm": 0.234375,
+}
+
+
+def value_loss_inputs(garbage: float = 100.0):
+    """The example above; `garbage` fills every masked position of vpreds, returns and values."""
+    g = garbage
+    vpreds = t64([[2.0, 0.25, 1.0], [-1.0, 1.0, g], [g, g, g]])
+    returns = t64([[3.0, 1.0, 1.0], [0.0, 0.5, g], [g, g, g]])
+    values = t64([[1.0, 0.0, 2.0], [0.0, 2.0, g], [g, g, g]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    return vpreds, returns, values, mask
+
+
+def test_loss_agg_modes_are_the_four_documented():
+    assert set(LOSS_AGG_MODES) == set(CLIPPED_LOSS)
+
+
+@pytest.mark.parametrize("mode", list(CLIPPED_LOSS))
+def test_value_loss_clipped(mode):
+    vf_loss, clipfrac = compute_value_loss(*value_loss_inputs(), cliprange_value=CLIP, loss_agg_mode=mode)
+    assert_close(vf_loss, torch.tensor(CLIPPED_LOSS[mode], dtype=F64))
+    assert_close(clipfrac, torch.tensor(0.6, dtype=F64))
+
+
+@pytest.mark.parametrize("mode", list(UNCLIPPED_LOSS))
+def test_value_loss_without_clipping(mode):
+    vf_loss, clipfrac = compute_value_loss(*value_loss_inputs(), cliprange_value=None, loss_agg_mode=mode)
+    assert_close(vf_loss, torch.tensor(UNCLIPPED_LOSS[mode], dtype=F64))
+    assert clipfrac.item() == 0.0
+
+
+def test_value_loss_default_mode_is_token_mean():
+    vf_loss, _ = compute_value_loss(*value_loss_inputs(), cliprange_value=CLIP)
+    assert_close(vf_loss, torch.tensor(0.50625, dtype=F64))
+
+
+def test_value_loss_wide_cliprange_equals_unclipped():
+    # c = 10 contains every vpred: vclip == vpred, so l2 == l1 and nothing counts as clipped.
+    vf_loss, clipfrac = compute_value_loss(*value_loss_inputs(), cliprange_value=10.0)
+    assert_close(vf_loss, torch.tensor(0.28125, dtype=F64))
+    assert clipfrac.item() == 0.0
+
+
+def test_value_loss_bool_mask_and_float_mask_agree():
+    vpreds, returns, values, mask = value_loss_inputs()
+    for m in (mask.bool(), mask.to(F64)):
+        vf_loss, clipfrac = compute_value_loss(vpreds, returns, values, m, CLIP, "seq-mean-token-mean")
+        assert_close(vf_loss, torch.tensor(97 / 192, dtype=F64))
+        assert_close(clipfrac, torch.tensor(0.6, dtype=F64))
+
+
+@pytest.mark.parametrize("garbage", [NAN, INF, -INF])
+@pytest.mark.parametrize("mode", list(CLIPPED_LOSS))
+def test_value_loss_ignores_nonfinite_padding_in_loss_and_grad(mode, garbage):
+    vpreds, returns, values, mask = value_loss_inputs(garbage)
+    vpreds.requires_grad_(True)
+    vf_loss, clipfrac = compute_value_loss(vpreds, returns, values, mask, CLIP, mode)
+    assert_close(vf_loss.detach(), torch.tensor(CLIPPED_LOSS[mode], dtype=F64))
+    assert_close(clipfrac, torch.tensor(0.6, dtype=F64))
+    vf_loss.backward()
+    grad = vpreds.grad
+    assert torch.isfinite(grad).all()
+    assert (grad[~mask.bool()] == 0).all()
+    if mode == "token-mean":
+        # d/dvpred of 0.5 * max(l1, l2) / 5: zero where the clipped branch wins (vclip is a clamped constant),
+        # (vpred - R) / 5 where l1 wins or l1 == l2 (vclip == vpred): row0 t1 (0.25-1)/5, row1 t0 (-1-0)/5.
+        assert_close(grad, t64([[0.0, -0.15, 0.0], [-0.2, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("cliprange", [CLIP, None])
+@pytest.mark.parametrize("mode", list(CLIPPED_LOSS))
+def test_value_loss_fully_masked_batch_is_zero(mode, cliprange):
+    vpreds = t64([[NAN, 1.0, INF], [2.0, -INF, NAN]]).requires_grad_(True)
+    returns = t64([[NAN, 3.0, -INF], [INF, 0.0, NAN]])
+    values = t64([[INF, NAN, 1.0], [NAN, NAN, -INF]])
+    mask = torch.zeros(2, 3, dtype=torch.long)
+    vf_loss, clipfrac = compute_value_loss(vpreds, returns, values, mask, cliprange, mode)
+    assert vf_loss.item() == 0.0
+    assert clipfrac.item() == 0.0
+    vf_loss.backward()
+    assert (vpreds.grad == 0).all()
+    # Also with (zero) global denominators, as a rank whose whole share of the mini-batch is padding sees them.
+    vf_loss, _ = compute_value_loss(
+        vpreds, returns, values, mask, cliprange, mode, batch_num_tokens=0, global_batch_size=0, dp_size=2
+    )
+    assert vf_loss.item() == 0.0
+
+
+def test_unknown_loss_agg_mode_raises_naming_it():
+    vpreds, returns, values, mask = value_loss_inputs()
+    with pytest.raises(ValueError, match="seq-mean-token-median"):
+        compute_value_loss(vpreds, returns, values, mask, CLIP, loss_agg_mode="seq-mean-token-median")
+    with pytest.raises(ValueError, match="token_mean"):
+        agg_loss(torch.ones(1, 2), torch.ones(1, 2), "token_mean")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# agg_loss with global denominators
+# --------------------------------------------------------------------------------------------------------------
+# A [4, 3] loss matrix; garbage at masked positions.
+#   row 0  [1, 2, 3]      mask 1 1 1   sum 6  tokens 3  token-mean of row 2
+#   row 1  [4, *, *]      mask 1 0 0   sum 4  tokens 1  token-mean of row 4
+#   row 2  [*, *, *]      mask 0 0 0   empty
+#   row 3  [2, 6, *]      mask 1 1 0   sum 8  tokens 2  token-mean of row 4
+# whole batch: 6 valid tokens, 3 non-empty sequences, total 18, R = 3
+#   token-mean              18 / 6        = 3
+#   seq-mean-token-sum      18 / 3        = 6
+#   seq-mean-token-mean     (2+4+4) / 3   = 10/3
+#   seq-mean-token-sum-norm 18 / (3 * 3)  = 2
+# halves (rows 0-1: total 10, row means 2+4 = 6; rows 2-3: total 8, row means 4), whole-batch denominators:
+#   token-mean              10/6 + 8/6
+#   seq-mean-token-sum      10/3 + 8/3
+#   seq-mean-token-mean     6/3 + 4/3
+#   seq-mean-token-sum-norm 10/9 + 8/9
+AGG_LOSS_MAT = t64([[1.0, 2.0, 3.0], [4.0, NAN, INF], [NAN, -INF, 5.0], [2.0, 6.0, NAN]])
+AGG_MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]])
+AGG_WHOLE = {
+    "token-mean": 3.0,
+    "seq-mean-token-sum": 6.0,
+    "seq-mean-token-mean": 10 / 3,
+    "seq-mean-token-sum-norm": 2.0,
+}
+AGG_HALVES = {
+    "token-mean": (10 / 6, 8 / 6),
+    "seq-mean-token-sum": (10 / 3, 8 / 3),
+    "seq-mean-token-mean": (6 / 3, 4 / 3),
+    "seq-mean-token-sum-norm": (10 / 9, 8 / 9),
+}
+GLOBAL = {"batch_num_tokens": 6, "global_batch_size": 3}
+
+
+def scalar(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=F64)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_local_denominators(mode):
+    assert_close(agg_loss(AGG_LOSS_MAT, AGG_MASK, mode), scalar(AGG_WHOLE[mode]))
+    # Passing the whole batch's own counts explicitly changes nothing.
+    assert_close(agg_loss(AGG_LOSS_MAT, AGG_MASK, mode, **GLOBAL), scalar(AGG_WHOLE[mode]))
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_halves_with_global_denominators_sum_to_whole(mode, as_tensor):
+    norm = {k: torch.tensor(v) if as_tensor else v for k, v in GLOBAL.items()}
+    first = agg_loss(AGG_LOSS_MAT[:2], AGG_MASK[:2], mode, **norm)
+    second = agg_loss(AGG_LOSS_MAT[2:], AGG_MASK[2:], mode, **norm)
+    assert_close(first, scalar(AGG_HALVES[mode][0]))
+    assert_close(second, scalar(AGG_HALVES[mode][1]))
+    assert_close(first + second, scalar(AGG_WHOLE[mode]))
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_dp_size_multiplies(mode):
+    # Two DP ranks hold one half each; DP averages gradients, so each rank's loss is scaled by dp_size = 2
+    # and the average over ranks equals the whole-batch loss.
+    first = agg_loss(AGG_LOSS_MAT[:2], AGG_MASK[:2], mode, dp_size=2, **GLOBAL)
+    second = agg_loss(AGG_LOSS_MAT[2:], AGG_MASK[2:], mode, dp_size=2, **GLOBAL)
+    assert_close(first, scalar(2 * AGG_HALVES[mode][0]))
+    assert_close(second, scalar(2 * AGG_HALVES[mode][1]))
+    assert_close((first + second) / 2, scalar(AGG_WHOLE[mode]))
+    assert_close(agg_loss(AGG_LOSS_MAT, AGG_MASK, mode, dp_size=4), scalar(4 * AGG_WHOLE[mode]))
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_trimmed_micro_batch_with_loss_scale_factor(mode):
+    # Rows 2-3 have nothing valid in column 2: a micro-batch trimmed to width 2 (as after removing padding)
+    # must give the same share when the horizon is pinned to the whole batch's R = 3.
+    second = agg_loss(AGG_LOSS_MAT[2:, :2], AGG_MASK[2:, :2], mode, loss_scale_factor=3, **GLOBAL)
+    assert_close(second, scalar(AGG_HALVES[mode][1]))
+
+
+def test_agg_loss_scale_factor_sets_the_horizon():
+    # seq-mean-token-sum-norm: 18 / (3 sequences * horizon 4) = 1.5; the default horizon is R = 3 (-> 2).
+    assert_close(agg_loss(AGG_LOSS_MAT, AGG_MASK, "seq-mean-token-sum-norm", loss_scale_factor=4), scalar(1.5))
+    # Only seq-mean-token-sum-norm reads it.
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        assert_close(agg_loss(AGG_LOSS_MAT, AGG_MASK, mode, loss_scale_factor=4), scalar(AGG_WHOLE[mode]))
+
+
+@pytest.mark.parametrize("mode", list(CLIPPED_LOSS))
+def test_value_loss_forwards_global_denominators(mode):
+    # The value-loss example split into row 0 and rows 1-2; whole-batch counts: 5 tokens, 2 sequences.
+    vpreds, returns, values, mask = value_loss_inputs(NAN)
+    norm = {"batch_num_tokens": 5, "global_batch_size": 2}
+    first, clip0 = compute_value_loss(vpreds[:1], returns[:1], values[:1], mask[:1], CLIP, mode, **norm)
+    second, clip1 = compute_value_loss(vpreds[1:], returns[1:], values[1:], mask[1:], CLIP, mode, **norm)
+    assert_close(first + second, torch.tensor(CLIPPED_LOSS[mode], dtype=F64))
+    # clipfrac stays the micro-batch's own token mean: row 0 has 2/3 clipped, rows 1-2 have 1/2.
+    assert_close(clip0, torch.tensor(2 / 3, dtype=F64))
+    assert_close(clip1, torch.tensor(0.5, dtype=F64))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# compute_gae_advantage_return
+# --------------------------------------------------------------------------------------------------------------
+GAMMA, LAM = 0.9, 0.8  # gamma * lam = 0.72
+
+
+def test_gae_right_padded_hand_example():
+    # row 0 (all valid): rewards [0, 0, 1], values [0.5, 0.2, 0.4]
+    #   t2: delta = 1 + 0.9*0 - 0.4 = 0.6                 gae = 0.6
+    #   t1: delta = 0 + 0.9*0.4 - 0.2 = 0.16              gae = 0.16 + 0.72*0.6 = 0.592
+    #   t0: delta = 0 + 0.9*0.2 - 0.5 = -0.32             gae = -0.32 + 0.72*0.592 = 0.10624
+    #   returns = gae + values = [0.60624, 0.792, 1.0]
+    # row 1 (last token padding, garbage reward 9 / value 7 there): rewards [0, 2, *], values [1.0, 0.5, *]
+    #   t1: delta = 2 + 0 - 0.5 = 1.5                     gae = 1.5
+    #   t0: delta = 0 + 0.9*0.5 - 1.0 = -0.55             gae = -0.55 + 0.72*1.5 = 0.53
+    #   returns = [1.53, 2.0, 0]
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0]])
+    values = torch.tensor([[0.5, 0.2, 0.4], [1.0, 0.5, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    advantages, returns = compute_gae_advantage_return(rewards, values, mask, GAMMA, LAM)
+
+    assert_close(returns, torch.tensor([[0.60624, 0.792, 1.0], [1.53, 2.0, 0.0]]))
+
+    # Whitening the raw advantages [0.10624, 0.592, 0.6, 0.53, 1.5] over the 5 valid tokens:
+    #   mean 3.32824 / 5 = 0.665648
+    #   deviations [-0.559408, -0.073648, -0.065648, -0.135648, 0.834352], squares sum 1.03721463808
+    #   unbiased var 1.03721463808 / 4 = 0.25930365952, std 0.50921867554
+    #   whitened = deviations / std = [-1.0985614, -0.1446294, -0.1289191, -0.2663846, 1.6384945]
+    expected = torch.tensor([[-1.0985614, -0.1446294, -0.1289191], [-0.2663846, 1.6384945, 0.0]])
+    assert_close(advantages, expected)
+    raw = torch.tensor([[0.10624, 0.592, 0.6], [0.53, 1.5, 0.0]])
+    assert_close(advantages, masked_whiten(raw, mask) * mask)
+    assert advantages[1, 2].item() == 0.0
+    assert_close(masked_mean(advantages, mask), torch.tensor(0.0), atol=1e-6, rtol=0)
+    assert_close(masked_var(advantages, mask), torch.tensor(1.0), atol=1e-6, rtol=0)
+
+
+def test_gae_interior_masked_gap_carries_next_value():
+    # mask [1, 0, 1]; the masked middle token has garbage reward 100 / value -50 that must not matter.
+    #   t2: delta = 1.0 + 0 - 0.3 = 0.7                   gae = 0.7
+    #   t1: masked -> advantage 0; next value stays 0.3, last gae stays 0.7
+    #   t0: delta = 0.5 + 0.9*0.3 - 0.2 = 0.57            gae = 0.57 + 0.72*0.7 = 1.074
+    #   returns = [1.074 + 0.2, 0, 0.7 + 0.3] = [1.274, 0, 1.0]
+    # Whitened over two valid tokens (unbiased var): always -/+ 1/sqrt(2); 1.074 > 0.7, so [+, 0, -].
+    rewards = torch.tensor([[0.5, 100.0, 1.0]])
+    values = torch.tensor([[0.2, -50.0, 0.3]])
+    mask = torch.tensor([[1, 0, 1]])
+    advantages, returns = compute_gae_advantage_return(rewards, values, mask, GAMMA, LAM)
+    assert_close(returns, torch.tensor([[1.274, 0.0, 1.0]]))
+    s = 1 / math.sqrt(2)
+    assert_close(advantages, torch.tensor([[s, 0.0, -s]]))
+
+
+def test_gae_nonfinite_padding_and_empty_row():
+    # Row 0 as in the gap test but with NaN / Inf in the gap; row 1 is fully masked (all garbage).
+    rewards = torch.tensor([[0.5, NAN, 1.0], [INF, NAN, -INF]])
+    values = torch.tensor([[0.2, INF, 0.3], [NAN, NAN, INF]])
+    mask = torch.tensor([[1, 0, 1], [0, 0, 0]])
+    advantages, returns = compute_gae_advantage_return(rewards, values, mask, GAMMA, LAM)
+    assert_close(returns, torch.tensor([[1.274, 0.0, 1.0], [0.0, 0.0, 0.0]]))
+    s = 1 / math.sqrt(2)
+    assert_close(advantages, torch.tensor([[s, 0.0, -s], [0.0, 0.0, 0.0]]))
+
+
+def test_gae_fully_masked_batch_is_zero():
+    rewards = torch.tensor([[NAN, 1.0], [2.0, INF]])
+    advantages, returns = compute_gae_advantage_return(rewards, rewards.clone(), torch.zeros(2, 2), GAMMA, LAM)
+    assert (advantages == 0).all()
+    assert (returns == 0).all()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# masked statistics
+# --------------------------------------------------------------------------------------------------------------
+# Valid entries of STAT_X: 1, 2, 4 (row 0: 1, 2; row 1: 4; row 2: none)
+#   mean 7/3; deviations -4/3, -1/3, 5/3; squared deviations sum 16/9 + 1/9 + 25/9 = 14/3
+#   biased var 14/9, unbiased var 7/3; whitened (x - 7/3) / sqrt(7/3) = [-4, -1, 5] / sqrt(21)
+STAT_X = t64([[1.0, 2.0, NAN], [4.0, INF, -INF], [NAN, 3.0, 5.0]])
+STAT_MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+
+
+def test_masked_mean():
+    assert_close(masked_mean(STAT_X, STAT_MASK), scalar(7 / 3))
+    # Per row: 1.5, 4, and 0 (not NaN) for the empty row.
+    assert_close(masked_mean(STAT_X, STAT_MASK, dim=-1), t64([1.5, 4.0, 0.0]))
+    # Per column: column 0 -> (1 + 4) / 2, column 1 -> 2, column 2 -> nothing -> 0.
+    assert_close(masked_mean(STAT_X, STAT_MASK, dim=0), t64([2.5, 2.0, 0.0]))
+    assert masked_mean(STAT_X, torch.zeros(3, 3)).item() == 0.0
+
+
+def test_masked_var():
+    assert_close(masked_var(STAT_X, STAT_MASK), scalar(7 / 3))
+    assert_close(masked_var(STAT_X, STAT_MASK, unbiased=True), scalar(7 / 3))
+    assert_close(masked_var(STAT_X, STAT_MASK, unbiased=False), scalar(14 / 9))
+    # One valid entry: the Bessel correction is skipped (variance 0, not NaN / inf); no valid entry: 0.
+    one = torch.tensor([[0, 0, 0], [1, 0, 0], [0, 0, 0]])
+    assert masked_var(STAT_X, one).item() == 0.0
+    assert masked_var(STAT_X, torch.zeros(3, 3)).item() == 0.0
+
+
+def test_masked_whiten():
+    valid = STAT_MASK.bool()
+    expected = t64([-4.0, -1.0, 5.0]) / math.sqrt(21)  # the 1e-8 epsilon is far below the tolerance
+    assert_close(masked_whiten(STAT_X, STAT_MASK)[valid], expected)
+    assert_close(masked_whiten(STAT_X, STAT_MASK, shift_mean=False)[valid], expected + 7 / 3)
+
+
+def test_masked_whiten_gradient_is_zero_at_padding():
+    x = torch.where(STAT_MASK.bool(), STAT_X, t64(-7.0)).requires_grad_(True)  # finite padding
+    masked_whiten(x, STAT_MASK)[STAT_MASK.bool()].pow(2).sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert (x.grad[~STAT_MASK.bool()] == 0).all()
+
+
+def test_masked_whiten_nonfinite_padding_does_not_reach_gradient():
+    x = STAT_X.clone().requires_grad_(True)
+    masked_whiten(x, STAT_MASK)[STAT_MASK.bool()].pow(2).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_explained_variance_hand_example():
+    # y_true valid [1, 2, 3, 4], y_pred valid [1, 2, 3, 5]; garbage at the masked positions.
+    #   Var(y_true) (biased): mean 2.5, squared deviations 2.25 + 0.25 + 0.25 + 2.25 = 5 -> 1.25
+    #   error [0, 0, 0, -1]: mean -0.25, squared deviations 3 * 0.0625 + 0.5625 = 0.75 -> 0.1875
+    #   explained variance 1 - 0.1875 / 1.25 = 0.85
+    y_true = torch.tensor([[1.0, 2.0, NAN], [3.0, 4.0, INF]])
+    y_pred = torch.tensor([[1.0, 2.0, INF], [3.0, 5.0, NAN]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    ev = explained_variance(y_pred, y_true, mask)
+    assert_close(ev, torch.tensor(0.85))
+    # A perfect prediction explains everything; predicting the mean explains nothing.
+    assert_close(explained_variance(y_true, y_true, mask), torch.tensor(1.0))
+    assert_close(explained_variance(torch.full((2, 3), 2.5), y_true, mask), torch.tensor(0.0))
+
+
+def test_explained_variance_undefined_is_zero():
+    mask = torch.tensor([[1, 1, 1, 0]])
+    # Var(y_true) = 0 (constant 2.0 on valid tokens): undefined -> 0.0, not NaN / inf.
+    y_true = torch.tensor([[2.0, 2.0, 2.0, NAN]])
+    y_pred = torch.tensor([[1.0, 2.0, 4.0, INF]])
+    ev = explained_variance(y_pred, y_true, mask)
+    assert not torch.isnan(ev)
+    assert ev.item() == 0.0
+    # Fully masked input: 0.0.
+    ev = explained_variance(torch.tensor([[NAN, 1.0]]), torch.tensor([[INF, 2.0]]), torch.zeros(1, 2))
+    assert not torch.isnan(ev)
+    assert ev.item() == 0.0
+    # A single valid token: Var(y_true) = 0 as well.
+    assert explained_variance(torch.tensor([[3.0, 1.0]]), torch.tensor([[1.0, 2.0]]), torch.tensor([[1, 0]])) == 0
+
+
+def test_explained_variance_constant_inexact_target_is_zero():
+    y_true = torch.full((1, 7), 0.1)
+    y_pred = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]])
+    assert explained_variance(y_pred, y_true, torch.ones(1, 7)).item() == 0.0

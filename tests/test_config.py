@@ -1,0 +1,117 @@
+"""CriticConfig: verl field names, dict / OmegaConf input, unknown keys, and validation messages."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from ppo_critic import CriticConfig
+
+VERL_CRITIC = """
+_target_: verl.workers.config.CriticConfig
+rollout_n: 1
+strategy: fsdp
+enable: null
+optim: {lr: 1.0e-5, lr_warmup_steps_ratio: 0.0, total_training_steps: -1, weight_decay: 0.01,
+        lr_warmup_steps: -1, min_lr_ratio: null, warmup_style: constant}
+model:
+  path: ~/models/deepseek-llm-7b-chat
+  tokenizer_path: ${model.path}
+  override_config: {}
+  external_lib: null
+  trust_remote_code: false
+  use_shm: false
+  enable_gradient_checkpointing: true
+  enable_activation_offload: false
+  use_remove_padding: false
+  fsdp_config: {param_offload: false, optimizer_offload: false, wrap_policy: {min_num_params: 0}, fsdp_size: -1}
+  lora_rank: 0
+  lora_alpha: 16
+  target_modules: all-linear
+ppo_mini_batch_size: 256
+ppo_micro_batch_size: null
+ppo_micro_batch_size_per_gpu: 8
+forward_micro_batch_size: null
+forward_micro_batch_size_per_gpu: 16
+use_dynamic_bsz: false
+ppo_max_token_len_per_gpu: 32768
+forward_max_token_len_per_gpu: ${ppo_max_token_len_per_gpu}
+ppo_epochs: 1
+shuffle: false
+cliprange_value: 0.5
+loss_agg_mode: token-mean
+ulysses_sequence_parallel_size: 1
+grad_clip: 1.0
+checkpoint: {save_contents: [model, optimizer, extra], load_contents: [model, optimizer, extra], async_save: false}
+profiler: {enable: false, all_ranks: false, ranks: []}
+"""
+
+
+def test_a_verl_critic_section_is_accepted_as_is():
+    node = OmegaConf.create(VERL_CRITIC)
+    cfg = CriticConfig.from_any(node)
+    assert cfg.strategy == "fsdp" and cfg.ppo_micro_batch_size_per_gpu == 8
+    assert cfg.model.enable_gradient_checkpointing and cfg.model.tokenizer_path == cfg.model.path
+    assert cfg.forward_max_token_len == 32768 and cfg.optim.lr == 1e-5
+    assert cfg.micro_batch_sizes() == (8, 16)
+    assert CriticConfig.from_any(OmegaConf.to_container(node, resolve=True)) == cfg
+    assert CriticConfig.from_any(cfg) == cfg and CriticConfig.from_any(cfg) is not cfg
+
+
+def test_defaults_and_micro_batch_resolution():
+    cfg = CriticConfig()
+    assert cfg.strategy == "fsdp2" and cfg.loss_agg_mode == "token-mean" and cfg.cliprange_value == 0.5
+    assert cfg.micro_batch_sizes() == (256, 256)  # one micro-batch per mini-batch when unset
+    legacy = CriticConfig(ppo_mini_batch_size=16, ppo_micro_batch_size=8, forward_micro_batch_size=32)
+    assert legacy.micro_batch_sizes(dp_size=4) == (2, 8)  # verl's deprecated global sizes / DP
+    assert CriticConfig(forward_max_token_len_per_gpu=100).forward_max_token_len == 100
+
+
+def test_unknown_keys_are_named_with_a_suggestion():
+    with pytest.raises(ValueError, match=r"unknown critic config key 'ppo_mini_batchsize'.*'ppo_mini_batch_size'"):
+        CriticConfig.from_any({"ppo_mini_batchsize": 4})
+    with pytest.raises(ValueError, match=r"model\.'use_remove_pading'.*use_remove_padding"):
+        CriticConfig.from_any({"model": {"use_remove_pading": True}})
+    with pytest.raises(TypeError, match="optim"):
+        CriticConfig.from_any({"optim": 0.1})
+    with pytest.raises(TypeError, match="CriticConfig, a dict or an OmegaConf node"):
+        CriticConfig.from_any(["ppo_epochs", 1])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"loss_agg_mode": "seq-mean"}, "loss_agg_mode='seq-mean' is unknown"),
+        ({"strategy": "deepspeed"}, "strategy='deepspeed' is unknown"),
+        ({"ppo_mini_batch_size": 0}, "ppo_mini_batch_size=0 must be a positive integer"),
+        ({"ppo_epochs": 1.5}, "ppo_epochs=1.5 must be a positive integer"),
+        ({"ppo_micro_batch_size_per_gpu": -2}, "ppo_micro_batch_size_per_gpu=-2"),
+        ({"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 3}, "not divisible by the micro-batch size 3"),
+        ({"shuffle": True}, "shuffle=true needs data_loader_seed"),
+        ({"cliprange_value": -0.2}, "cliprange_value=-0.2 must be a positive number"),
+        ({"grad_clip": 0}, "grad_clip=0 must be a positive number"),
+        ({"dtype": "int8"}, "dtype='int8' is unknown"),
+        ({"ulysses_sequence_parallel_size": 2}, "needs model.use_remove_padding=true"),
+        ({"model": {"value_head_init": "normal:abc"}}, "model.value_head_init='normal:abc' is invalid"),
+        ({"model": {"value_head_dtype": "fp8"}}, "model.value_head_dtype='fp8' is unknown"),
+        ({"model": {"head": "mlp"}}, "model.head='mlp' is unknown"),
+        ({"model": {"lora_rank": 8}}, "model.lora_rank=8"),
+        ({"optim": {"betas": [0.9, 1.5]}}, "optim.betas"),
+        ({"optim": {"warmup_style": "linear"}}, "optim.warmup_style='linear' is unknown"),
+    ],
+)
+def test_each_invalid_setting_is_explained(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        CriticConfig.from_any(overrides)
+
+
+def test_all_problems_are_reported_at_once():
+    with pytest.raises(ValueError) as info:
+        CriticConfig.from_any({"loss_agg_mode": "x", "ppo_epochs": 0, "shuffle": True})
+    text = str(info.value)
+    assert "loss_agg_mode" in text and "ppo_epochs" in text and "data_loader_seed" in text
+
+
+def test_dynamic_batching_does_not_need_divisible_micro_batches():
+    cfg = CriticConfig.from_any({"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 3, "use_dynamic_bsz": True})
+    assert cfg.use_dynamic_bsz

@@ -1,0 +1,354 @@
+"""DataParallelPPOCritic, single process: alignment, global normalisation, skips, metrics, bad input."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from conftest import make_batch, state_hash
+from ppo_critic import DataParallelPPOCritic
+from ppo_critic.algos import LOSS_AGG_MODES, compute_value_loss, explained_variance, masked_mean
+from ppo_critic.batching import dynamic_micro_batches
+from ppo_critic.config import CriticConfig
+from ppo_critic.critics.base import compute_dtype
+
+
+class IdsAsValues(nn.Module):
+    """Outputs input_ids as the value at every position: values reveal alignment and row order."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache):
+        assert use_cache is False
+        return SimpleNamespace(logits=(input_ids.float() * self.scale).unsqueeze(-1))
+
+
+class DataProtoStandIn:
+    """The duck-typed surface of verl's DataProto."""
+
+    def __init__(self, tensors: dict, meta_info: dict | None = None):
+        b = tensors["input_ids"].shape[0]
+        self.batch = TensorDict(tensors, batch_size=[b])
+        self.non_tensor_batch = {"uid": np.array([f"id{i}" for i in range(b)], dtype=object)}
+        self.meta_info = meta_info or {}
+
+
+def make_critic(model, optimizer=None, **cfg):
+    config = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 2, "grad_clip": None, **cfg}
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1)
+    return DataParallelPPOCritic(config, model, optimizer)
+
+
+def numbered_batch(batch_size=6, prompt_len=5, response_len=4):
+    batch = make_batch(batch_size, prompt_len, response_len, seed=3)
+    t = prompt_len + response_len
+    batch["input_ids"] = torch.arange(batch_size * t).view(batch_size, t)
+    batch["responses"] = batch["input_ids"][:, -response_len:]
+    return batch
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_values_are_read_at_the_position_before_each_response_token(dynamic):
+    batch = numbered_batch()
+    b, t = batch["input_ids"].shape
+    r = batch["responses"].shape[1]
+    critic = make_critic(IdsAsValues(), ppo_micro_batch_size_per_gpu=4, forward_micro_batch_size_per_gpu=4)
+    meta = {"use_dynamic_bsz": True, "max_token_len": 12} if dynamic else {}
+    values = critic.compute_values(DataProtoStandIn(batch, meta))
+    mask = batch["attention_mask"][:, -r:].bool()
+    expected = torch.arange(b)[:, None] * t + (t - r - 1) + torch.arange(r)[None, :]
+    assert values.dtype == torch.float32 and values.device.type == "cpu"
+    torch.testing.assert_close(values[mask], expected[mask].float())
+    assert (values[~mask] == 0).all() and (~mask).any()
+    if dynamic:  # several micro-batches that are not in row order, yet rows come back in order
+        groups = dynamic_micro_batches(batch["attention_mask"].sum(-1), 12)
+        assert len(groups) > 2 and [i for g in groups for i in g] != list(range(b))
+
+
+def one_update_delta(base_model, batch, **cfg):
+    model = copy.deepcopy(base_model)
+    before = [p.detach().clone() for p in model.parameters()]
+    critic = make_critic(model, **cfg)
+    metrics = critic.update_critic(batch)
+    return torch.cat([(p.detach() - b0).flatten() for p, b0 in zip(model.parameters(), before, strict=True)]), metrics
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_global_normalisation_makes_the_update_independent_of_micro_batching(tiny_qwen2, mode):
+    """SGD (not Adam, whose first step hides the gradient's scale) and no clipping: any normalisation error shows."""
+    base = tiny_qwen2()
+    batch = make_batch(8, 7, 6, seed=1)
+    batch["response_mask"] = batch["attention_mask"][:, -6:].clone()
+    batch["response_mask"][2] = 0  # a fully masked row
+    ref, ref_metrics = one_update_delta(base, batch, ppo_micro_batch_size_per_gpu=8, loss_agg_mode=mode)
+    assert ref.norm() > 0
+    lens = batch["attention_mask"].sum(-1)
+    layouts = [{"ppo_micro_batch_size_per_gpu": 1}, {"ppo_micro_batch_size_per_gpu": 2}]
+    for budget in (int(lens.max()), int(lens.max()) * 3):
+        assert len(dynamic_micro_batches(lens, budget)) > 1
+        layouts.append({"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": budget})
+    for layout in layouts:
+        delta, metrics = one_update_delta(base, batch, loss_agg_mode=mode, **layout)
+        rel = ((delta - ref).norm() / ref.norm()).item()
+        assert rel <= 1e-5, (layout, rel)
+        assert metrics["critic/vf_loss"] == pytest.approx(ref_metrics["critic/vf_loss"], rel=1e-5)
+
+
+def test_global_normalisation_differs_from_per_micro_batch_means(tiny_qwen2):
+    """The invariance above is not vacuous: averaging per-micro-batch means gives a different gradient."""
+    model = tiny_qwen2()
+    batch = make_batch(8, 7, 6, seed=1)
+    critic = make_critic(model)
+    vpreds = torch.cat([critic._forward_micro_batch(critic_batch) for critic_batch in _split(batch, 2)])
+    mask = batch["attention_mask"][:, -6:]
+    whole, _ = compute_value_loss(vpreds, batch["returns"], batch["values"], mask, 0.5)
+    halves = [
+        compute_value_loss(
+            vpreds[i : i + 2], batch["returns"][i : i + 2], batch["values"][i : i + 2], mask[i : i + 2], 0.5
+        )[0]
+        for i in range(0, 8, 2)
+    ]
+    assert abs(whole.item() - torch.stack(halves).mean().item()) > 1e-4
+
+
+def _split(batch, size):
+    from ppo_critic.batch import Batch
+
+    return Batch.from_any(batch).split(size)
+
+
+def test_metrics_follow_their_documented_meaning(tiny_qwen2):
+    model = tiny_qwen2()
+    batch = make_batch(8, 6, 5, seed=2)
+    critic = make_critic(model, ppo_micro_batch_size_per_gpu=4)
+    old = critic.compute_values(batch)
+    mask = batch["attention_mask"][:, -5:]
+    expected_loss, expected_clipfrac = compute_value_loss(old, batch["returns"], batch["values"], mask, 0.5)
+    metrics = critic.update_critic(batch)
+    assert metrics["critic/vf_loss"] == pytest.approx(expected_loss.item(), rel=1e-5)
+    assert metrics["critic/vf_clipfrac"] == pytest.approx(expected_clipfrac.item(), rel=1e-5)
+    assert metrics["critic/vpred_mean"] == pytest.approx(masked_mean(old, mask).item(), rel=1e-5, abs=1e-7)
+    ev = explained_variance(batch["values"], batch["returns"], mask).item()
+    assert metrics["critic/vf_explained_var"] == pytest.approx(ev, rel=1e-5)
+    valid = batch["values"][mask.bool()]
+    assert metrics["critic/values_min"] == pytest.approx(valid.min().item())
+    assert metrics["critic/values_max"] == pytest.approx(valid.max().item())
+    assert metrics["critic/values_mean"] == pytest.approx(valid.mean().item(), rel=1e-5)
+    assert metrics["critic/lr"] == 0.1 and metrics["critic/skipped_steps"] == 0
+    assert metrics["critic/grad_norm"] > 0 and metrics["perf/tokens_per_s"] > 0
+    assert all(isinstance(v, float) for v in metrics.values())
+
+
+def test_vf_loss_is_the_mean_over_steps(tiny_qwen2):
+    model = tiny_qwen2()
+    batch = make_batch(8, 6, 5, seed=2)
+    critic = make_critic(copy.deepcopy(model), ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4)
+    losses = []
+    probe = make_critic(copy.deepcopy(model), ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4)
+    for rows in (slice(0, 4), slice(4, 8)):
+        losses.append(probe.update_critic({k: v[rows] for k, v in batch.items()})["critic/vf_loss"])
+    assert critic.update_critic(batch)["critic/vf_loss"] == pytest.approx(sum(losses) / 2, rel=1e-5)
+
+
+def test_fully_masked_micro_batch_gives_no_nan(tiny_qwen2):
+    model = tiny_qwen2()
+    batch = make_batch(8, 6, 5, seed=4)
+    batch["response_mask"] = batch["attention_mask"][:, -5:].clone()
+    batch["response_mask"][:2] = 0  # the first micro-batch has no valid token
+    batch["returns"][:2] = float("nan")  # and garbage targets there are ignored
+    critic = make_critic(model)
+    metrics = critic.update_critic(batch)
+    assert all(np.isfinite(v) for v in metrics.values()), metrics
+    assert metrics["critic/skipped_steps"] == 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fully_masked_batch_is_a_no_op_step(tiny_qwen2):
+    model = tiny_qwen2()
+    batch = make_batch(8, 6, 5, seed=4)
+    batch["response_mask"] = torch.zeros(8, 5, dtype=torch.long)
+    before = state_hash(model)
+    metrics = make_critic(model).update_critic(batch)
+    assert state_hash(model) == before  # zero gradient, SGD without weight decay
+    assert metrics["critic/vf_loss"] == 0 and all(np.isfinite(v) for v in metrics.values())
+
+
+def test_non_finite_gradient_skips_the_step_and_training_continues(tiny_qwen2):
+    model = tiny_qwen2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    critic = make_critic(model, optimizer=optimizer)
+    batch = make_batch(8, 6, 5, seed=5)
+    critic.update_critic(batch)  # optimizer state exists now
+    before = state_hash(model, optimizer)
+    handle = model.score.weight.register_hook(lambda g: g * float("inf"))
+    metrics = critic.update_critic(batch)
+    handle.remove()
+    assert metrics["critic/skipped_steps"] == 1
+    assert state_hash(model, optimizer) == before
+    assert all(p.grad is None for p in model.parameters())
+    metrics = critic.update_critic(batch)
+    assert metrics["critic/skipped_steps"] == 0 and np.isfinite(metrics["critic/grad_norm"])
+    assert state_hash(model, optimizer) != before
+
+
+def test_dataproto_meta_info_overrides_forward_settings(tiny_qwen2, monkeypatch):
+    model = tiny_qwen2()
+    batch = make_batch(8, 6, 5, seed=6)
+    critic = make_critic(model, forward_micro_batch_size_per_gpu=8)
+    calls = []
+    forward = critic._forward_micro_batch
+    monkeypatch.setattr(critic, "_forward_micro_batch", lambda mb: calls.append(len(mb)) or forward(mb))
+    plain = critic.compute_values(DataProtoStandIn(batch))
+    assert calls == [8]
+    calls.clear()
+    split = critic.compute_values(DataProtoStandIn(batch, {"micro_batch_size": 3}))
+    assert calls == [3, 3, 2]
+    torch.testing.assert_close(split, plain, rtol=1e-5, atol=1e-6)
+    calls.clear()
+    longest = int(batch["attention_mask"].sum(-1).max())
+    dynamic = critic.compute_values(DataProtoStandIn(batch, {"use_dynamic_bsz": True, "max_token_len": longest}))
+    assert len(calls) == len(dynamic_micro_batches(batch["attention_mask"].sum(-1), longest)) > 1
+    torch.testing.assert_close(dynamic, plain, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="budget"):
+        critic.compute_values(DataProtoStandIn(batch, {"use_dynamic_bsz": True, "max_token_len": longest - 1}))
+    metrics = critic.update_critic(DataProtoStandIn(batch))
+    assert metrics["critic/skipped_steps"] == 0
+
+
+def test_tensordict_and_dict_batches_give_the_same_values(tiny_qwen2):
+    model = tiny_qwen2()
+    batch = make_batch(4, 6, 5, seed=7)
+    critic = make_critic(model, ppo_mini_batch_size=4)
+    torch.testing.assert_close(critic.compute_values(TensorDict(batch, batch_size=[4])), critic.compute_values(batch))
+
+
+def test_shuffled_epochs_are_deterministic(tiny_qwen2):
+    base = tiny_qwen2()
+    batch = make_batch(8, 6, 5, seed=8)
+    cfg = {"ppo_mini_batch_size": 4, "ppo_epochs": 2, "shuffle": True, "data_loader_seed": 11}
+    a, _ = one_update_delta(base, batch, **cfg)
+    b, _ = one_update_delta(base, batch, **cfg)
+    c, _ = one_update_delta(base, batch, **{**cfg, "data_loader_seed": 12})
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (a - c).abs().max() > 0
+
+
+def test_batch_is_moved_to_the_module_device(tiny_qwen2, monkeypatch):
+    from ppo_critic.batch import Batch
+
+    moved = []
+    to = Batch.to
+    monkeypatch.setattr(
+        Batch, "to", lambda self, device, **kw: moved.append(torch.device(device)) or to(self, device, **kw)
+    )
+    critic = make_critic(tiny_qwen2())
+    critic.update_critic(make_batch(8, 6, 5))
+    critic.compute_values(make_batch(8, 6, 5))
+    assert moved == [critic.device, critic.device]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_batch_runs_on_a_cuda_critic(tiny_qwen2):
+    model = tiny_qwen2().cuda()
+    critic = make_critic(model, dtype="float32")
+    batch = make_batch(8, 6, 5)
+    assert critic.compute_values(batch).device.type == "cpu"
+    assert critic.update_critic(batch)["critic/skipped_steps"] == 0
+    assert compute_dtype(CriticConfig(), torch.device("cuda")) == torch.bfloat16
+
+
+def test_compute_dtype_defaults_and_overrides():
+    assert compute_dtype(CriticConfig(), torch.device("cpu")) == torch.float32
+    assert compute_dtype(CriticConfig(), torch.device("cuda")) == torch.bfloat16
+    assert compute_dtype(CriticConfig(dtype="bf16"), torch.device("cpu")) == torch.bfloat16
+    assert compute_dtype(CriticConfig(dtype="float32"), torch.device("cuda")) == torch.float32
+
+
+def test_bf16_autocast_on_cpu_runs_and_returns_float32(tiny_qwen2):
+    critic = make_critic(tiny_qwen2(), dtype="bfloat16")
+    values = critic.compute_values(make_batch(8, 6, 5))
+    assert values.dtype == torch.float32
+    assert critic.update_critic(make_batch(8, 6, 5))["critic/skipped_steps"] == 0
+
+
+def _bad_batches():
+    good = make_batch(8, 6, 5, seed=9)
+
+    def edit(**changes):
+        batch = dict(good)
+        for key, value in changes.items():
+            if value is None:
+                batch.pop(key)
+            else:
+                batch[key] = value
+        return batch
+
+    nan_values = good["values"].clone()
+    nan_values[0, 0] = float("nan")
+    inf_returns = good["returns"].clone()
+    inf_returns[1, 0] = float("inf")
+    return {
+        "missing key": (edit(returns=None), "returns"),
+        "float input_ids": (edit(input_ids=good["input_ids"].float()), "input_ids"),
+        "attention_mask shape": (edit(attention_mask=good["attention_mask"][:, 1:]), "attention_mask"),
+        "position_ids shape": (edit(position_ids=good["position_ids"][:4]), "position_ids"),
+        "responses too long": (edit(responses=good["input_ids"]), "responses"),
+        "responses empty": (edit(responses=good["input_ids"][:, :0]), "responses"),
+        "values shape": (edit(values=good["values"][:, :3]), "values"),
+        "returns shape": (edit(returns=good["returns"][:7]), "returns"),
+        "response_mask shape": (edit(response_mask=good["attention_mask"]), "response_mask"),
+        "empty batch": ({k: v[:0] for k, v in good.items()}, "empty"),
+        "B not divisible by mini-batch": ({k: v[:6] for k, v in good.items()}, "ppo_mini_batch_size"),
+        "NaN in values": (edit(values=nan_values), "values"),
+        "Inf in returns": (edit(returns=inf_returns), "returns"),
+        "not a batch": ([1, 2, 3], "batch"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_batches()))
+def test_bad_input_raises_a_named_error_and_changes_nothing(tiny_qwen2, case):
+    model = tiny_qwen2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    critic = make_critic(model, optimizer=optimizer)
+    critic.update_critic(make_batch(8, 6, 5))
+    before = state_hash(model, optimizer)
+    batch, name = _bad_batches()[case]
+    with pytest.raises((ValueError, TypeError), match=name):
+        critic.update_critic(batch)
+    assert state_hash(model, optimizer) == before
+
+
+def test_sequence_over_the_dynamic_budget_raises_before_any_step(tiny_qwen2):
+    model = tiny_qwen2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = make_batch(8, 6, 5, seed=10)
+    longest = int(batch["attention_mask"].sum(-1).max())
+    critic = make_critic(
+        model, optimizer, ppo_mini_batch_size=4, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=longest - 1
+    )
+    before = state_hash(model, optimizer)
+    with pytest.raises(ValueError, match=f"{longest} tokens"):
+        critic.update_critic(batch)
+    assert state_hash(model, optimizer) == before
+
+
+@pytest.mark.parametrize(
+    ("cfg", "name"),
+    [
+        ({"loss_agg_mode": "seq-mean"}, "loss_agg_mode"),
+        ({"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 3}, "ppo_micro_batch_size_per_gpu"),
+        ({"model": {"use_remove_padding": True}}, "use_remove_padding"),
+    ],
+)
+def test_bad_config_is_rejected_at_construction(tiny_qwen2, cfg, name):
+    model = tiny_qwen2()
+    with pytest.raises(ValueError, match=name):
+        DataParallelPPOCritic(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1))
