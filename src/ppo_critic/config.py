@@ -10,6 +10,8 @@ import copy
 import dataclasses
 import difflib
 import re
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,7 +106,7 @@ class CriticConfig:
                 raise TypeError(
                     f"critic config must be a CriticConfig, a dict or an OmegaConf node, got {type(cfg).__name__}"
                 )
-            config = _from_mapping(cls, cfg, prefix="")
+            config = from_mapping(cls, cfg)
         config.validate()
         return config
 
@@ -117,12 +119,8 @@ class CriticConfig:
         Per-GPU fields win; verl's deprecated global fields are divided by `dp_size`; an unset train size
         means one micro-batch per mini-batch, an unset forward size falls back to the train size.
         """
-        train = self.ppo_micro_batch_size_per_gpu
-        if train is None and self.ppo_micro_batch_size is not None:
-            train = max(self.ppo_micro_batch_size // dp_size, 1)
-        forward = self.forward_micro_batch_size_per_gpu
-        if forward is None and self.forward_micro_batch_size is not None:
-            forward = max(self.forward_micro_batch_size // dp_size, 1)
+        train = per_rank(self.ppo_micro_batch_size_per_gpu, self.ppo_micro_batch_size, dp_size)
+        forward = per_rank(self.forward_micro_batch_size_per_gpu, self.forward_micro_batch_size, dp_size)
         train = self.ppo_mini_batch_size if train is None else train
         return train, train if forward is None else forward
 
@@ -135,8 +133,9 @@ class CriticConfig:
         """Canonical compute dtype name, or None for the device default (bf16 on CUDA, fp32 on CPU)."""
         return None if self.dtype is None else DTYPES[self.dtype]
 
-    def validate(self) -> None:
-        """Raise one ValueError listing every invalid or contradictory setting (with the fix)."""
+    def validate(self, prefix: str = "") -> None:
+        """Raise one ValueError listing every invalid or contradictory setting (with the fix); `prefix` is where
+        this section sits in a larger config (e.g. `critic.`), so messages name the key the user typed."""
         errors = _positive_int_errors(
             self,
             ["ppo_mini_batch_size", "ppo_max_token_len_per_gpu", "ppo_epochs", "ulysses_sequence_parallel_size"],
@@ -170,7 +169,7 @@ class CriticConfig:
             errors.append("ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true")
         errors += self.model_errors() + self.optim_errors()
         if errors:
-            raise ValueError("invalid critic config:\n  - " + "\n  - ".join(errors))
+            raise ValueError("invalid critic config:\n  - " + "\n  - ".join(prefix + e for e in errors))
 
     def model_errors(self) -> list[str]:
         m = self.model
@@ -199,6 +198,13 @@ class CriticConfig:
         return errors
 
 
+def per_rank(per_gpu: int | None, global_size: int | None, dp_size: int) -> int | None:
+    """A per-rank micro-batch size: the per-GPU field, else verl's deprecated global one divided over DP."""
+    if per_gpu is not None or global_size is None:
+        return per_gpu
+    return max(global_size // dp_size, 1)
+
+
 def _positive_int_errors(cfg: Any, required: list[str], optional: list[str]) -> list[str]:
     errors = []
     for name in required + optional:
@@ -218,27 +224,66 @@ def _choice_errors(choices: dict[str, tuple[Any, tuple[str, ...]]]) -> list[str]
     ]
 
 
-def _from_mapping(cls: type, data: Mapping, prefix: str) -> Any:
-    """Instantiate dataclass `cls` from `data`, recursing into nested dataclasses; unknown keys are errors."""
+def from_mapping(cls: type, data: Mapping, prefix: str = "") -> Any:
+    """Instantiate dataclass `cls` from `data`: nested dataclasses recursively, values type-checked against the
+    annotations (ints widen to floats, lists to tuples), unknown keys rejected with a suggestion."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
         if key == "_target_":  # verl's instantiation hint
             continue
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"; did you mean {prefix}{close[0]!r}?" if close else f"; known keys: {sorted(fields)}"
-            raise ValueError(f"unknown critic config key {prefix}{key!r}{hint}")
-        sub = _nested_dataclass(cls, key)
-        if sub is not None:
+            nested = _nested_key(cls, str(key))
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {sorted(fields)}"
+            hint = f"; did you mean '{prefix}{nested}'?" if nested and not close else hint
+            raise ValueError(f"unknown config key '{prefix}{key}'{hint}")
+        if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, Mapping):
-                raise TypeError(f"critic config key {prefix}{key!r} must be a mapping, got {type(value).__name__}")
-            value = _from_mapping(sub, value, prefix=f"{prefix}{key}.")
-        elif key == "betas":
-            value = tuple(value)
-        kwargs[key] = value
+                raise TypeError(f"config key '{prefix}{key}' must be a mapping, got {type(value).__name__}")
+            kwargs[key] = from_mapping(hints[key], value, prefix=f"{prefix}{key}.")
+        else:
+            kwargs[key] = _typed(f"{prefix}{key}", value, hints[key])
     return cls(**kwargs)
 
 
-def _nested_dataclass(cls: type, name: str) -> type | None:
-    return {(CriticConfig, "model"): ModelConfig, (CriticConfig, "optim"): OptimConfig}.get((cls, name))
+def _nested_key(cls: type, key: str) -> str | None:
+    """The dotted path of a field named `key` inside a nested dataclass of `cls` (for "did you mean")."""
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            if key in {g.name for g in dataclasses.fields(hint)}:
+                return f"{f.name}.{key}"
+            deeper = _nested_key(hint, key)
+            if deeper:
+                return f"{f.name}.{deeper}"
+    return None
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}
+
+
+def _typed(name: str, value: Any, hint: Any) -> Any:
+    """`value` checked against a simple annotation (bool/int/float/str/dict/tuple, optionally `| None`)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        return _typed(name, value, options[0]) if len(options) == 1 else value
+    base = origin or hint
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        dict: isinstance(value, Mapping),
+        tuple: isinstance(value, list | tuple),
+    }.get(base, True)
+    if not ok:
+        want = _TYPE_NAMES.get(base, f"a list of {len(args)}" if base is tuple else str(hint))
+        raise ValueError(f"{name}={value!r} must be {want}")
+    if base is float:
+        return float(value)
+    return dict(value) if base is dict else tuple(value) if base is tuple else value

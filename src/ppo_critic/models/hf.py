@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from ppo_critic.config import DTYPES, HEAD_KINDS, VALUE_HEAD_INIT
 
 HEAD_NAMES = ("score", "classifier", "v_head", "value_head")
+VALUE_HEAD_FILE = "value_head.safetensors"  # the head of an exported generic critic, beside its backbone
 
 
 class ValueHead(nn.Linear):
@@ -87,6 +88,9 @@ def build_value_model(
         _finish_head(model, value_head_init if value_head_init != "default" else None, head_dtype)
         return model
     path = os.fspath(model) if isinstance(model, str | os.PathLike) else None
+    head_file = os.path.join(path, VALUE_HEAD_FILE) if path is not None else None
+    if head == "auto" and head_file is not None and os.path.isfile(head_file):
+        head = "generic"  # an exported generic critic
     config = _hf_config(model, trust_remote_code)
     for key, value in (override_config or {}).items():
         setattr(config, key, value)
@@ -104,7 +108,12 @@ def build_value_model(
         built = auto_cls.from_config(config, trust_remote_code=trust_remote_code).to(param_dtype)
         head_loaded = False
     if head == "generic" or auto_cls.__name__ == "AutoModel":
-        built, head_loaded = ValueModel(built, head_dtype), False
+        built = ValueModel(built, head_dtype)
+        head_loaded = head_file is not None and os.path.isfile(head_file)
+        if head_loaded:
+            from safetensors.torch import load_file
+
+            built.score.load_state_dict({k.removeprefix("score."): v for k, v in load_file(head_file).items()})
     init = None if head_loaded else value_head_init
     _finish_head(built, None if init == "default" else init, head_dtype)
     return built

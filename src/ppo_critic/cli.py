@@ -1,0 +1,174 @@
+"""`ppo-critic` (also `python -m ppo_critic`): train, values, export.
+
+Configs are YAML files plus `key=value` overrides (OmegaConf dot-list) over the built-in defaults of
+`ppo_critic.train.TrainConfig`. Bad options exit with code 2 and a message that names the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from ppo_critic.train import TrainConfig
+
+EXAMPLES = """examples:
+  ppo-critic train                                   # the built-in counting task, tiny model, runs/default
+  ppo-critic train trainer.steps=50 trainer.run_dir=runs/short critic.optim.lr=1e-3
+  ppo-critic train --config configs/default.yaml data=rollouts.jsonl
+  ppo-critic values runs/default data=rollouts.jsonl out=values.jsonl
+  ppo-critic export runs/default critic-hf/
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        args.subparser.error(str(err))  # exits with code 2
+    return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ppo-critic",
+        description="Train and use PPO value models (critics) for LLMs.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command")
+    options = "options (key=value, defaults shown):\n" + "\n".join(f"  {line}" for line in _option_lines())
+    train = sub.add_parser(
+        "train",
+        help="train a critic on the built-in task or a rollout file",
+        description="Train a critic. Writes config.yaml, metrics.jsonl, tensorboard/, curves.png, checkpoints/ "
+        "and hf/ under trainer.run_dir; trainer.resume=auto continues from the newest complete checkpoint.",
+        epilog=options,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("--config", type=Path, help="a YAML file of options (applied before the overrides)")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="options, e.g. trainer.steps=100")
+    train.set_defaults(run=_train, subparser=train)
+    values = sub.add_parser(
+        "values",
+        help="write per-token values of a rollout file",
+        description="Per-token values of every row of a rollout file (.jsonl/.parquet), in the input order.",
+    )
+    values.add_argument("source", type=Path, help="a run directory (its newest checkpoint) or an HF model directory")
+    values.add_argument("overrides", nargs="*", metavar="key=value", help="data=FILE out=FILE, and any train option")
+    values.set_defaults(run=_values, subparser=values)
+    export = sub.add_parser("export", help="export a run's newest checkpoint as an HF model (safetensors)")
+    export.add_argument("run_dir", type=Path)
+    export.add_argument("out_dir", type=Path)
+    export.set_defaults(run=_export, subparser=export)
+    return parser
+
+
+def load_config(yaml_file: Path | None, overrides: list[str], base: dict | None = None) -> TrainConfig:
+    """Defaults (or `base`) ← YAML file ← overrides, checked key by key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"overrides must look like key=value, got {bad}")
+    try:
+        merged = OmegaConf.create(base if base is not None else TrainConfig().to_dict())
+        if yaml_file is not None:
+            if not yaml_file.is_file():
+                raise FileNotFoundError(f"config file {yaml_file} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(yaml_file))
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+        plain = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ValueError(f"could not read the options: {err}") from err
+    return TrainConfig.from_mapping(plain)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from ppo_critic.train import train
+
+    metrics = train(load_config(args.config, args.overrides))
+    summary = {k: round(v, 4) for k, v in metrics.items() if k.startswith("eval/")}
+    print(f"done: {summary}")
+    return 0
+
+
+def _values(args: argparse.Namespace) -> int:
+    from ppo_critic.rollouts import collate, read_rollouts, write_values
+
+    pairs = dict(o.split("=", 1) for o in args.overrides if o.split("=", 1)[0] in ("data", "out"))
+    if "data" not in pairs or "out" not in pairs:
+        raise ValueError("values needs data=<rollout file> and out=<output .jsonl/.parquet>")
+    rest = [o for o in args.overrides if o.split("=", 1)[0] not in ("data", "out")]
+    worker, cfg = _worker_for(args.source, rest)
+    text_config = worker.model.config.get_text_config()
+    rows = read_rollouts(pairs["data"], vocab_size=getattr(text_config, "vocab_size", None))
+    chunk = cfg.trainer.rollout_batch_size
+    values: list[list[float]] = []
+    for start in range(0, len(rows), chunk):
+        batch = collate(rows[start : start + chunk])
+        out = worker.compute_values(batch)
+        values += [v[m.bool()].tolist() for v, m in zip(out, batch["response_mask"], strict=True)]
+    write_values(pairs["out"], values)
+    print(f"wrote values of {len(values)} rollouts to {pairs['out']}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    worker, _ = _worker_for(args.run_dir, [], need_checkpoint=True)
+    out = worker.export_hf(args.out_dir)
+    print(f"exported step {worker.step} of {args.run_dir} to {out}")
+    return 0
+
+
+def _worker_for(source: Path, overrides: list[str], need_checkpoint: bool = False) -> tuple[Any, TrainConfig]:
+    """A worker from a run directory (config.yaml + newest checkpoint) or from an HF model directory."""
+    from omegaconf import OmegaConf
+
+    from ppo_critic.checkpoint import latest_checkpoint
+    from ppo_critic.train import make_worker
+
+    if (source / "config.yaml").is_file():
+        base = OmegaConf.to_container(OmegaConf.load(source / "config.yaml"))
+        cfg = load_config(None, [*overrides, "trainer.resume=never"], base=base)
+        worker = make_worker(cfg)
+        checkpoint = latest_checkpoint(source / "checkpoints")
+        if checkpoint is None and need_checkpoint:
+            raise FileNotFoundError(f"{source} has no complete checkpoint under checkpoints/")
+        if checkpoint is not None:
+            worker.load_checkpoint(checkpoint)
+        return worker, cfg
+    if need_checkpoint:
+        raise FileNotFoundError(f"{source} is not a run directory (no config.yaml)")
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source} is neither a run directory nor a model directory")
+    cfg = load_config(None, [*overrides, f"critic.model.path={source}"])
+    return make_worker(cfg), cfg
+
+
+def _option_lines(obj: Any = None, prefix: str = "") -> list[str]:
+    """`key=default` for every option of TrainConfig, nested keys dotted."""
+    obj = TrainConfig() if obj is None else obj
+    lines = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.name == "task" and not prefix:
+            lines += [f"task.name={value['name']}", *_option_lines(obj.task_config(), "task.")]
+        elif dataclasses.is_dataclass(value):
+            lines += _option_lines(value, f"{prefix}{f.name}.")
+        else:
+            shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+            lines.append(f"{prefix}{f.name}={shown}")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,405 @@
+"""Recorded rollout files (JSON Lines or Parquet) → critic batches (DESIGN §3), and per-token values written back.
+
+A rollout row holds `prompt_ids`, `response_ids` and exactly one of `token_level_rewards` (one per response
+token) or `reward` (a scalar, put on the last response token). Other fields are ignored. Every malformed row
+is reported as ``<path>: row <n>: field '<name>' must be ..., got ...`` (for JSON Lines, n is the line number).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import numbers
+import os
+import secrets
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
+REWARD_FIELDS = ("token_level_rewards", "reward")
+_ID_FIELDS = ("prompt_ids", "response_ids")
+_MAX_INT64 = 2**63
+_IDS_EXPECTED = "must be a non-empty list of integer token ids"
+_REWARDS_EXPECTED = "must be a list of finite numbers, one per response token"
+_REWARD_EXPECTED = "must be a finite number"
+_LISTED_ROWS = 10
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    token_level_rewards: list[float]
+
+
+class _RowError(ValueError):
+    """A malformed row; the reader adds the path and the row number."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_rollouts(path: str | os.PathLike, vocab_size: int | None = None) -> list[Rollout]:
+    """Read every rollout of a `.jsonl` or `.parquet` file; raise ValueError naming the first malformed row."""
+    name = os.fspath(path)
+    rows, decode = _reader_for(name)
+    _check_vocab_size(vocab_size)
+    if not os.path.exists(name):
+        raise FileNotFoundError(errno.ENOENT, "rollout file not found", name)
+    rollouts: list[Rollout] = []
+    bad: list[tuple[int, str]] = []
+    for number, raw in rows(name):
+        try:
+            rollouts.append(_parse_row(decode(raw), vocab_size))
+        except _RowError as e:
+            bad.append((number, str(e)))
+    if bad:
+        raise ValueError(_describe_bad_rows(name, bad))
+    if not rollouts:
+        raise ValueError(f"{name}: no rollout rows found (the file is empty or holds only blank lines)")
+    return rollouts
+
+
+def _reader_for(path: str) -> tuple[Callable[[str], Iterator[tuple[int, Any]]], Callable[[Any], Any]]:
+    suffix = _suffix(path)
+    if suffix == ".jsonl":
+        return _iter_jsonl, _decode_json_line
+    return _iter_parquet, _identity
+
+
+def _suffix(path: str) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in SUPPORTED_EXTENSIONS:
+        raise ValueError(
+            f"{path}: unsupported file extension {suffix or '(none)'!r}; supported: {', '.join(SUPPORTED_EXTENSIONS)}"
+        )
+    return suffix
+
+
+def _check_vocab_size(vocab_size: int | None) -> None:
+    if vocab_size is not None and (not _is_int(vocab_size) or vocab_size <= 0):
+        raise ValueError(f"vocab_size must be a positive integer or None, got {vocab_size!r}")
+
+
+def _describe_bad_rows(path: str, bad: list[tuple[int, str]]) -> str:
+    number, message = bad[0]
+    text = f"{path}: row {number}: {message}"
+    if len(bad) > 1:
+        others = ", ".join(str(n) for n, _ in bad[1 : 1 + _LISTED_ROWS])
+        more = ", ..." if len(bad) - 1 > _LISTED_ROWS else ""
+        text += f" [{len(bad)} malformed rows in total; the others are rows {others}{more}]"
+    return text
+
+
+def _iter_jsonl(path: str) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if number == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+            if line.strip():
+                yield number, line
+
+
+def _decode_json_line(line: bytes) -> Any:
+    try:
+        return json.loads(line.decode("utf-8").strip())
+    except UnicodeDecodeError as e:
+        raise _RowError(f"is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise _RowError(f"is not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _identity(row: Any) -> Any:
+    return row
+
+
+def _iter_parquet(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    pq = _import_parquet()
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError subclasses for a damaged file
+        raise ValueError(f"{path}: not a readable Parquet file ({e})") from e
+    with file:
+        columns = _check_parquet_schema(path, file.schema_arrow)
+        number = 0
+        for record_batch in file.iter_batches(columns=columns):
+            for row in record_batch.to_pylist():
+                number += 1
+                yield number, row
+
+
+def _import_parquet() -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("reading or writing .parquet rollout files needs pyarrow: pip install pyarrow") from e
+    return pq
+
+
+def _check_parquet_schema(path: str, schema: Any) -> list[str]:
+    """The known columns present; raise ValueError for a missing or wrongly typed one."""
+    import pyarrow as pa
+
+    names = schema.names
+    missing = [c for c in _ID_FIELDS if c not in names]
+    if not any(c in names for c in REWARD_FIELDS):
+        missing.append("token_level_rewards' or 'reward")
+    if missing:
+        listed = ", ".join(f"'{c}'" for c in missing)
+        raise ValueError(f"{path}: missing column(s) {listed}; the file has columns {names}")
+    expected = {
+        "prompt_ids": ("list<integer>", lambda t: _is_list_of(t, pa.types.is_integer)),
+        "response_ids": ("list<integer>", lambda t: _is_list_of(t, pa.types.is_integer)),
+        "token_level_rewards": ("list<integer or floating>", lambda t: _is_list_of(t, _is_arrow_number)),
+        "reward": ("integer or floating", _is_arrow_number),
+    }
+    present = [c for c in expected if c in schema.names]
+    for column in present:
+        kind = schema.field(column).type
+        description, ok = expected[column]
+        if not (ok(kind) or pa.types.is_null(kind)):
+            raise ValueError(f"{path}: column {column!r} must have Parquet/Arrow type {description}, got {kind}")
+    return present
+
+
+def _is_list_of(kind: Any, ok: Callable[[Any], bool]) -> bool:
+    import pyarrow as pa
+
+    lists = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
+    return any(is_list(kind) for is_list in lists) and ok(kind.value_type)
+
+
+def _is_arrow_number(kind: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Row validation
+
+
+def _parse_row(row: Any, vocab_size: int | None) -> Rollout:
+    if not isinstance(row, dict):
+        raise _RowError(f"must be a JSON object with fields prompt_ids, response_ids, ..., got {_kind(row)}")
+    prompt_ids = _token_ids(row, "prompt_ids", vocab_size)
+    response_ids = _token_ids(row, "response_ids", vocab_size)
+    return Rollout(prompt_ids, response_ids, _rewards(row, len(response_ids)))
+
+
+def _token_ids(row: dict[str, Any], field: str, vocab_size: int | None) -> list[int]:
+    if field not in row:
+        raise _RowError(f"field {field!r} is missing; it {_IDS_EXPECTED}")
+    value = row[field]
+    items = _as_list(value)
+    if not items:
+        raise _RowError(f"field {field!r} {_IDS_EXPECTED}, got {_short(value)}")
+    for i, item in enumerate(items):
+        if not _is_int(item):
+            raise _RowError(f"field {field!r} {_IDS_EXPECTED}, got {_short(value)} (element {i} is {_short(item)})")
+        if not 0 <= item < (vocab_size or _MAX_INT64):
+            bound = f"vocab_size={vocab_size}" if vocab_size else "2**63"
+            raise _RowError(f"field {field!r} must hold token ids in [0, {bound}), got {item} at element {i}")
+    return [int(item) for item in items]
+
+
+def _rewards(row: dict[str, Any], response_length: int) -> list[float]:
+    given = [f for f in REWARD_FIELDS if row.get(f) is not None]
+    if len(given) != 1:
+        which = "both" if given else "neither"
+        raise _RowError(
+            "needs exactly one of field 'token_level_rewards' (a list, one reward per response token) or field "
+            f"'reward' (a scalar, put on the last response token), got {which}"
+        )
+    if given[0] == "reward":
+        value = row["reward"]
+        if not _is_finite_number(value):
+            raise _RowError(f"field 'reward' {_REWARD_EXPECTED}, got {_short(value)}")
+        return [0.0] * (response_length - 1) + [float(value)]
+    return _reward_list(row["token_level_rewards"], response_length)
+
+
+def _reward_list(value: Any, response_length: int) -> list[float]:
+    items = _as_list(value)
+    if items is None:
+        raise _RowError(f"field 'token_level_rewards' {_REWARDS_EXPECTED}, got {_short(value)}")
+    for i, item in enumerate(items):
+        if not _is_finite_number(item):
+            detail = f"(element {i} is {_short(item)})"
+            raise _RowError(f"field 'token_level_rewards' {_REWARDS_EXPECTED}, got {_short(value)} {detail}")
+    if len(items) != response_length:
+        raise _RowError(
+            f"field 'token_level_rewards' {_REWARDS_EXPECTED} (the response has {response_length} token(s)), "
+            f"got {len(items)} value(s)"
+        )
+    return [float(item) for item in items]
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    """The items of a list, tuple or 1-D numpy array; None for anything else."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        return value.tolist()
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_finite_number(value: Any) -> bool:
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Collation
+
+
+def collate(rollouts: Sequence[Rollout], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Pad rollouts into the DESIGN §3 layout: prompts left-padded, responses right-padded, rows in input order."""
+    if len(rollouts) == 0:
+        raise ValueError("collate needs at least one rollout, got none")
+    if not _is_int(pad_token_id):
+        raise TypeError(f"pad_token_id must be an integer, got {pad_token_id!r}")
+    for i, rollout in enumerate(rollouts):
+        _check_rollout(i, rollout)
+    p = max(len(r.prompt_ids) for r in rollouts)
+    r = max(len(r.response_ids) for r in rollouts)
+    prompts, prompt_mask = _pad([x.prompt_ids for x in rollouts], p, pad_token_id, torch.int64, left=True)
+    responses, response_mask = _pad([x.response_ids for x in rollouts], r, pad_token_id, torch.int64, left=False)
+    rewards, _ = _pad([x.token_level_rewards for x in rollouts], r, 0.0, torch.float32, left=False)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return {
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "responses": responses,
+        "response_mask": response_mask,
+        "token_level_rewards": rewards,
+    }
+
+
+def _check_rollout(index: int, rollout: Rollout) -> None:
+    if not rollout.prompt_ids or not rollout.response_ids:
+        raise ValueError(f"rollouts[{index}]: prompt_ids and response_ids must be non-empty")
+    if len(rollout.token_level_rewards) != len(rollout.response_ids):
+        raise ValueError(
+            f"rollouts[{index}]: token_level_rewards has {len(rollout.token_level_rewards)} value(s) but "
+            f"response_ids has {len(rollout.response_ids)} token(s)"
+        )
+
+
+def _pad(
+    rows: list[list[Any]], width: int, fill: float, dtype: torch.dtype, left: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows padded to `width` with `fill` (on the left or the right) and the 0/1 long mask of real entries."""
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        out[i, span] = torch.tensor(row, dtype=dtype)
+        mask[i, span] = 1
+    return out, mask
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing values
+
+
+def write_values(path: str | os.PathLike, values: Sequence[Sequence[float]]) -> None:
+    """Atomically write one `{"row": i, "values": [...]}` row per input row as `.jsonl` or `.parquet`."""
+    name = os.fspath(path)
+    suffix = _suffix(name)
+    rows = _value_rows(values)
+    parent = os.path.dirname(os.path.abspath(name))
+    os.makedirs(parent, exist_ok=True)
+    tmp = _create_temp_file(parent, os.path.basename(name))
+    try:
+        (_write_jsonl if suffix == ".jsonl" else _write_parquet)(tmp, rows)
+        _fsync_file(tmp)
+        os.replace(tmp, name)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(parent)
+
+
+def _create_temp_file(directory: str, base: str) -> str:
+    """A new empty file next to the target, created with the usual umask-derived mode (not mkstemp's 0600)."""
+    while True:
+        tmp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
+
+
+def _value_rows(values: Sequence[Sequence[float]]) -> list[list[float]]:
+    rows = []
+    for i, row in enumerate(values):
+        floats = [float(v) for v in row]
+        bad = [j for j, v in enumerate(floats) if not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"values[{i}] has {len(bad)} NaN/Inf value(s) (first at position {bad[0]})")
+        rows.append(floats)
+    return rows
+
+
+def _write_jsonl(path: str, rows: list[list[float]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for i, row in enumerate(rows):
+            f.write(json.dumps({"row": i, "values": row}) + "\n")
+
+
+def _write_parquet(path: str, rows: list[list[float]]) -> None:
+    import pyarrow as pa
+
+    pq = _import_parquet()
+    table = pa.table(
+        {
+            "row": pa.array(range(len(rows)), type=pa.int64()),
+            "values": pa.array(rows, type=pa.list_(pa.float64())),
+        }
+    )
+    pq.write_table(table, path)
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the rename durable where the platform allows opening a directory."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,271 @@
+"""The main job: train a critic on a built-in task (or a rollout file) and judge it on a held-out set.
+
+One iteration: draw rollouts → `compute_values` → GAE (`gamma`, `lam`) → `update_critic` → every `eval_every`
+steps, explained variance of the values against the true values (built-in tasks) and the Monte-Carlo returns.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ppo_critic.algos import compute_gae_advantage_return, explained_variance, masked_mean
+from ppo_critic.checkpoint import latest_checkpoint
+from ppo_critic.config import CriticConfig, ModelConfig, OptimConfig, from_mapping
+from ppo_critic.runlog import CURVES_FILE, RunLog, plot_curves
+from ppo_critic.tasks import TASKS
+from ppo_critic.worker import CriticWorker
+
+DEFAULT_MODEL = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 64,
+}
+
+
+@dataclass
+class TrainerConfig:
+    """The loop around the critic. `rollout_batch_size` rollouts per step; checkpoints under `run_dir`."""
+
+    steps: int = 200
+    rollout_batch_size: int = 64
+    gamma: float = 1.0
+    lam: float = 0.95
+    eval_size: int = 512
+    eval_every: int = 10
+    save_every: int = 50
+    keep_last_n: int = 2
+    run_dir: str = "runs/default"
+    resume: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    progress: bool = True
+    tensorboard: bool = True
+    export_hf: bool = True
+
+
+def _default_critic() -> CriticConfig:
+    return CriticConfig(
+        strategy="none",
+        ppo_mini_batch_size=32,
+        ppo_micro_batch_size_per_gpu=32,
+        ppo_epochs=2,
+        cliprange_value=None,
+        grad_clip=1.0,
+        model=ModelConfig(value_head_init="zero"),
+        optim=OptimConfig(lr=3e-3, weight_decay=0.0, warmup_style="cosine", lr_warmup_steps=10, min_lr_ratio=0.1),
+    )
+
+
+@dataclass
+class TrainConfig:
+    """Everything `ppo-critic train` reads: the rollout source (`task` or `data`), the critic, the loop."""
+
+    task: dict = field(default_factory=lambda: {"name": "counting"})
+    data: str | None = None
+    critic: CriticConfig = field(default_factory=_default_critic)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @classmethod
+    def from_mapping(cls, data: dict) -> TrainConfig:
+        cfg = from_mapping(cls, data)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Check the parts the nested configs cannot see on their own (all errors name the key)."""
+        self.critic.validate(prefix="critic.")
+        self.task_config()
+        t = self.trainer
+        for name in ("steps", "rollout_batch_size", "eval_size", "eval_every"):
+            if getattr(t, name) < 1:
+                raise ValueError(f"trainer.{name}={getattr(t, name)} must be >= 1")
+        if t.save_every < 0 or t.keep_last_n < 0:
+            raise ValueError("trainer.save_every and trainer.keep_last_n must be >= 0 (0: only at the end / keep all)")
+        if not (0 <= t.gamma <= 1 and 0 <= t.lam <= 1):
+            raise ValueError(f"trainer.gamma={t.gamma} and trainer.lam={t.lam} must be in [0, 1]")
+        mini = self.critic.ppo_mini_batch_size * self.critic.rollout_n
+        if t.rollout_batch_size % mini:
+            raise ValueError(
+                f"trainer.rollout_batch_size={t.rollout_batch_size} must be a multiple of critic.ppo_mini_batch_size"
+                f"={self.critic.ppo_mini_batch_size} (× rollout_n={self.critic.rollout_n})"
+            )
+        if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
+            raise ValueError(f"trainer.resume={t.resume!r} must be auto, never or a checkpoint directory")
+
+    def task_config(self) -> Any:
+        """The task's own config dataclass, from `task` minus its `name`."""
+        fields = dict(self.task)
+        name = fields.pop("name", "counting")
+        if name not in TASKS:
+            raise ValueError(f"task.name={name!r} is unknown; built-in tasks: {sorted(TASKS)}")
+        task_cfg = from_mapping(TASKS[name][1], fields, prefix="task.")
+        task_cfg.validate()
+        return task_cfg
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class TaskSource:
+    """Rollouts drawn on the fly from a built-in task; the held-out set comes from a separate seed."""
+
+    def __init__(self, cfg: TrainConfig):
+        name = cfg.task.get("name", "counting")
+        self.task = TASKS[name][0](cfg.task_config())
+        self.batch_size = cfg.trainer.rollout_batch_size
+        self.generator = torch.Generator().manual_seed(cfg.trainer.seed)
+        held_out = torch.Generator().manual_seed(cfg.trainer.seed + 1_000_003)
+        self.eval_batch = self.task.sample(cfg.trainer.eval_size, held_out)
+        self.eval_batch["true_values"] = self.task.true_values(self.eval_batch, cfg.trainer.gamma)
+        self.vocab_size = self.task.vocab_size
+
+    def next_batch(self) -> dict[str, Tensor]:
+        return self.task.sample(self.batch_size, self.generator)
+
+    def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        return {"data/generator": self.generator.get_state()}, {}
+
+    def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
+        self.generator.set_state(tensors["data/generator"])
+
+
+class FileSource:
+    """Recorded rollouts, cycled in file order; the first `eval_size` rows double as the evaluation set."""
+
+    def __init__(self, cfg: TrainConfig):
+        from ppo_critic.rollouts import collate, read_rollouts
+
+        self.collate = collate
+        self.rows = read_rollouts(cfg.data)
+        self.batch_size = cfg.trainer.rollout_batch_size
+        self.position = 0
+        self.eval_batch = collate(self.rows[: cfg.trainer.eval_size])
+        self.vocab_size = 1 + max(max(r.prompt_ids + r.response_ids) for r in self.rows)
+
+    def next_batch(self) -> dict[str, Tensor]:
+        rows = [self.rows[(self.position + i) % len(self.rows)] for i in range(self.batch_size)]
+        self.position = (self.position + self.batch_size) % len(self.rows)
+        return self.collate(rows)
+
+    def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        return {}, {"data_position": self.position}
+
+    def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
+        self.position = int(state["data_position"])
+
+
+def resolve_model(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
+    """Without `critic.model.path`, the model is the built-in tiny `DEFAULT_MODEL` updated by `override_config`,
+    with the rollouts' vocabulary size unless one is given. The result is what the run saves and reloads."""
+    cfg = copy.deepcopy(cfg)
+    model = cfg.critic.model
+    if model.path is None:
+        model.override_config = {**DEFAULT_MODEL, "vocab_size": vocab_size, **model.override_config}
+        if model.override_config["vocab_size"] < vocab_size:
+            raise ValueError(
+                f"critic.model.override_config.vocab_size={model.override_config['vocab_size']} is smaller than "
+                f"the rollouts' vocabulary ({vocab_size} token ids)"
+            )
+    return cfg
+
+
+def make_worker(cfg: TrainConfig) -> CriticWorker:
+    return CriticWorker(cfg.critic, total_steps=cfg.trainer.steps, device=cfg.trainer.device, seed=cfg.trainer.seed)
+
+
+def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float) -> dict[str, float]:
+    """Explained variance of the critic's values against Monte-Carlo returns (and true values when known)."""
+    values = worker.compute_values(batch)
+    mask = batch["response_mask"]
+    _, mc_returns = compute_gae_advantage_return(
+        batch["token_level_rewards"], torch.zeros_like(values), mask, gamma, 1.0
+    )
+    metrics = {"eval/ev_returns": explained_variance(values, mc_returns, mask).item()}
+    if "true_values" in batch:
+        truth = batch["true_values"]
+        metrics["eval/ev_true"] = explained_variance(values, truth, mask).item()
+        metrics["eval/mae_true"] = masked_mean((values - truth).abs(), mask).item()
+    return metrics
+
+
+def train(cfg: TrainConfig, out=sys.stdout) -> dict[str, float]:
+    """Run (or resume) the job in `cfg.trainer.run_dir`; returns the last metrics row."""
+    from omegaconf import OmegaConf
+
+    t = cfg.trainer
+    run_dir = Path(t.run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    source = FileSource(cfg) if cfg.data else TaskSource(cfg)
+    cfg = resolve_model(cfg, source.vocab_size)
+    worker = make_worker(cfg)
+    resolved = OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
+    (run_dir / "config.yaml").write_text(resolved)
+    print(resolved, file=out)
+    checkpoint = None if t.resume == "never" else latest_checkpoint(ckpt_root) if t.resume == "auto" else Path(t.resume)
+    if checkpoint is not None:
+        tensors, state = worker.load_checkpoint(checkpoint, source.state()[0])
+        source.load_state(tensors, state)
+        print(f"resumed from {checkpoint} at step {worker.step}", file=out)
+    log = RunLog(run_dir, resume_step=worker.step, tensorboard=t.tensorboard)
+    metrics: dict[str, float] = {}
+    progress = _Progress(t, worker.step)
+    try:
+        while worker.step < t.steps:
+            metrics = _iteration(worker, source, t)
+            step = worker.step
+            if step % t.eval_every == 0 or step == t.steps:
+                metrics |= evaluate(worker, source.eval_batch, t.gamma)
+            log.log(step, metrics)
+            progress.update(metrics)
+            if (t.save_every and step % t.save_every == 0) or step == t.steps:
+                tensors, state = source.state()
+                worker.save_checkpoint(ckpt_root, tensors, state, keep_last_n=t.keep_last_n or None)
+    finally:
+        progress.close()
+        log.close()
+    plot_curves(run_dir / "metrics.jsonl", run_dir / CURVES_FILE)
+    if t.export_hf:
+        worker.export_hf(run_dir / "hf")
+    return metrics
+
+
+def _iteration(worker: CriticWorker, source: TaskSource | FileSource, t: TrainerConfig) -> dict[str, float]:
+    batch = source.next_batch()
+    batch["values"] = worker.compute_values(batch)
+    _, batch["returns"] = compute_gae_advantage_return(
+        batch["token_level_rewards"], batch["values"], batch["response_mask"], t.gamma, t.lam
+    )
+    return worker.update_critic(batch)
+
+
+class _Progress:
+    """A tqdm bar (step, loss, explained variance, tokens/s, ETA), or a line every `eval_every` steps."""
+
+    def __init__(self, t: TrainerConfig, start: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=t.steps, initial=start, disable=not t.progress, dynamic_ncols=True, desc="train")
+        self.ev = float("nan")
+
+    def update(self, m: dict[str, float]) -> None:
+        self.ev = m.get("eval/ev_true", m.get("eval/ev_returns", self.ev))
+        self.bar.set_postfix(
+            loss=f"{m['critic/vf_loss']:.4f}", ev=f"{self.ev:.3f}", tok_s=f"{m['perf/tokens_per_s']:.0f}", refresh=False
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,143 @@
+"""`CriticWorker`: what a PPO trainer needs around `DataParallelPPOCritic` — the value model built from the config,
+AdamW, the LR schedule, checkpoints and HF export.
+
+The worker takes *global* batch sizes (verl's trainer convention) and hands the critic per-rank sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ppo_critic.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from ppo_critic.config import CriticConfig, ModelConfig, OptimConfig, per_rank
+from ppo_critic.critics import DataParallelPPOCritic
+from ppo_critic.models.hf import build_value_model
+from ppo_critic.parallel.mesh import resolve_device
+
+
+class CriticWorker:
+    """Owns model, optimizer, schedule and critic; one `update_critic` call = one schedule step."""
+
+    def __init__(self, config: Any, *, total_steps: int | None = None, device: str = "auto", seed: int = 0):
+        self.config = CriticConfig.from_any(config)
+        self.device = resolve_device(device)
+        self.dp_size = 1
+        optim = self.config.optim
+        factor = lr_schedule(optim, optim.total_training_steps if optim.total_training_steps > 0 else total_steps)
+        torch.manual_seed(seed)
+        self.model = model_from_config(self.config.model).to(self.device)
+        if self.config.model.enable_gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        self.critic = DataParallelPPOCritic(per_rank_config(self.config, self.dp_size), self.model, self.optimizer)
+        self.step = 0
+
+    def compute_values(self, batch: Any) -> Tensor:
+        return self.critic.compute_values(batch)
+
+    def update_critic(self, batch: Any) -> dict[str, float]:
+        """One critic update; `critic/lr` is the rate that update used, then the schedule advances."""
+        metrics = self.critic.update_critic(batch)
+        self.scheduler.step()
+        self.step += 1
+        return metrics
+
+    def save_checkpoint(
+        self,
+        root: str | Path,
+        tensors: dict[str, Tensor] | None = None,
+        state: dict[str, Any] | None = None,
+        keep_last_n: int | None = None,
+    ) -> Path:
+        """Model, optimizer, schedule, torch RNG and step, plus the caller's `tensors` and JSON `state`."""
+        tensors = {"rng/torch": torch.get_rng_state(), **(tensors or {})}
+        state = {"worker_step": self.step, "scheduler": self.scheduler.state_dict(), **(state or {})}
+        return save_checkpoint(root, self.step, self.model, self.optimizer, tensors, state, keep_last_n)
+
+    def load_checkpoint(
+        self, path: str | Path, tensors: dict[str, Tensor] | None = None
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """Restore what `save_checkpoint` wrote; `tensors` are templates (shape/dtype) for the caller's tensors."""
+        templates = {"rng/torch": torch.get_rng_state(), **(tensors or {})}
+        loaded, state = load_checkpoint(path, self.model, self.optimizer, templates)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["worker_step"])
+        torch.set_rng_state(loaded.pop("rng/torch"))
+        return loaded, state
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        return export_hf(self.model, out_dir)
+
+
+def model_from_config(model: ModelConfig) -> nn.Module:
+    """The value model named by `model.path` (+ `override_config`), or built from `override_config` alone."""
+    if model.external_lib:
+        importlib.import_module(model.external_lib)
+    if model.path is None and "model_type" not in model.override_config:
+        raise ValueError(
+            "critic.model.path is not set; give a model directory, or a full transformers config with "
+            "model_type in critic.model.override_config"
+        )
+    overrides = dict(model.override_config)
+    source = model.path if model.path is not None else overrides
+    return build_value_model(
+        source,
+        head=model.head,
+        value_head_init=model.value_head_init,
+        value_head_dtype=model.value_head_dtype,
+        override_config=overrides if model.path is not None else None,
+        attn_implementation=model.attn_implementation,
+        trust_remote_code=model.trust_remote_code,
+    )
+
+
+def per_rank_config(config: CriticConfig, dp_size: int) -> CriticConfig:
+    """Global sizes (× `rollout_n`) divided over `dp_size` ranks, as the critic expects (DESIGN §3)."""
+    cfg = copy.deepcopy(config)
+    mini = config.ppo_mini_batch_size * config.rollout_n
+    if mini % dp_size:
+        raise ValueError(
+            f"ppo_mini_batch_size={config.ppo_mini_batch_size} (× rollout_n={config.rollout_n}) is not divisible "
+            f"by the {dp_size} data-parallel ranks"
+        )
+    cfg.ppo_mini_batch_size = mini // dp_size
+    cfg.ppo_micro_batch_size_per_gpu = per_rank(
+        config.ppo_micro_batch_size_per_gpu, config.ppo_micro_batch_size, dp_size
+    )
+    cfg.forward_micro_batch_size_per_gpu = per_rank(
+        config.forward_micro_batch_size_per_gpu, config.forward_micro_batch_size, dp_size
+    )
+    cfg.ppo_micro_batch_size = cfg.forward_micro_batch_size = None
+    cfg.validate()
+    return cfg
+
+
+def lr_schedule(optim: OptimConfig, total_steps: int | None) -> Callable[[int], float]:
+    """LR factor per update: linear warmup, then constant or cosine down to `min_lr_ratio` at `total_steps`."""
+    if optim.warmup_style == "cosine" and not total_steps:
+        raise ValueError("optim.warmup_style=cosine needs optim.total_training_steps (or the trainer's step count)")
+    warmup = (
+        optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * (total_steps or 0))
+    )
+    floor = optim.min_lr_ratio or 0.0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if optim.warmup_style == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor

@@ -1,0 +1,157 @@
+"""The main job: files it writes, bit-identical resume, incomplete checkpoints, export, rollout files."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ppo_critic import train as train_mod
+from ppo_critic.checkpoint import latest_checkpoint
+from ppo_critic.cli import load_config
+from ppo_critic.rollouts import read_rollouts
+from ppo_critic.train import evaluate, make_worker, train
+
+SHORT = [
+    "trainer.steps=4",
+    "trainer.rollout_batch_size=8",
+    "trainer.eval_size=16",
+    "trainer.eval_every=2",
+    "trainer.save_every=2",
+    "trainer.progress=false",
+    "critic.ppo_mini_batch_size=4",
+    "critic.ppo_micro_batch_size_per_gpu=2",
+    "critic.model.override_config.hidden_size=32",
+    "critic.model.override_config.intermediate_size=64",
+]
+
+
+def short_config(run_dir, *extra):
+    return load_config(None, [*SHORT, f"trainer.run_dir={run_dir}", *extra])
+
+
+def test_a_run_writes_every_artifact(tmp_path):
+    out = io.StringIO()
+    metrics = train(short_config(tmp_path / "run"), out=out)
+    run = tmp_path / "run"
+    assert {"config.yaml", "metrics.jsonl", "curves.png", "checkpoints", "hf", "tensorboard"} <= {
+        p.name for p in run.iterdir()
+    }
+    assert "ppo_mini_batch_size: 4" in out.getvalue()  # the resolved config is printed
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert "eval/ev_true" in rows[1] and "eval/ev_returns" in rows[3] and "eval/mae_true" in rows[3]
+    assert metrics["eval/ev_true"] == rows[-1]["eval/ev_true"]
+    assert any(p.name.startswith("events.out.tfevents") for p in (run / "tensorboard").iterdir())
+    assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == [
+        "step_00000002",
+        "step_00000004",
+    ]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+
+
+def test_resume_is_bit_identical_and_ignores_incomplete_checkpoints(tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    train(short_config(straight), out=io.StringIO())
+
+    resumed = tmp_path / "resumed"
+    calls = {"n": 0}
+    original = train_mod._iteration
+
+    def crash_on_third(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # the process is stopped after step 2 was checkpointed
+        return original(*args)
+
+    monkeypatch.setattr(train_mod, "_iteration", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        train(short_config(resumed), out=io.StringIO())
+    monkeypatch.setattr(train_mod, "_iteration", original)
+    ckpts = resumed / "checkpoints"
+    assert latest_checkpoint(ckpts).name == "step_00000002"
+    # A crash between writing and renaming leaves a temporary directory; a damaged step directory has no metadata.
+    shutil.copytree(ckpts / "step_00000002", ckpts / ".tmp-step_00000003-deadbeef")
+    (ckpts / "step_00000009").mkdir()
+    assert latest_checkpoint(ckpts).name == "step_00000002"
+    out = io.StringIO()
+    train(short_config(resumed), out=out)
+    assert "resumed from" in out.getvalue() and "step 2" in out.getvalue()
+
+    a = load_file(straight / "hf" / "model.safetensors")
+    b = load_file(resumed / "hf" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    rows_a = (straight / "metrics.jsonl").read_text().splitlines()
+    rows_b = (resumed / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows_b] == [1, 2, 3, 4]
+    strip = [{k: v for k, v in json.loads(r).items() if k != "perf/tokens_per_s"} for r in rows_a]
+    assert strip == [{k: v for k, v in json.loads(r).items() if k != "perf/tokens_per_s"} for r in rows_b]
+
+
+def test_export_loads_with_from_pretrained_and_gives_the_same_values(tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    cfg = short_config(tmp_path / "run")
+    train(cfg, out=io.StringIO())
+    worker = make_worker(load_config(None, [], base=_saved(tmp_path / "run")))
+    worker.load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    batch = train_mod.TaskSource(cfg).eval_batch
+    expected = worker.compute_values(batch)
+    hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "run" / "hf")
+    out = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    r = batch["responses"].shape[1]
+    got = torch.where(batch["response_mask"].bool(), out.logits.squeeze(-1)[:, -r - 1 : -1], 0.0)
+    assert (got - expected).abs().max().item() <= 1e-6
+
+
+def _saved(run_dir):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+
+
+def test_generic_head_export_round_trips(tmp_path):
+    from ppo_critic import build_value_model
+
+    cfg = short_config(tmp_path / "run", "critic.model.head=generic", "trainer.steps=2")
+    train(cfg, out=io.StringIO())
+    reloaded = build_value_model(tmp_path / "run" / "hf")
+    worker = make_worker(load_config(None, [], base=_saved(tmp_path / "run")))
+    worker.load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    assert type(reloaded).__name__ == "ValueModel"
+    torch.testing.assert_close(reloaded.score.weight, worker.model.score.weight, rtol=0, atol=0)
+    assert reloaded.score.weight.abs().sum() > 0
+
+
+def test_training_on_a_rollout_file(tmp_path):
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for i in range(12):
+        prompt = torch.randint(0, 20, (2 + i % 3,), generator=g).tolist()
+        response = torch.randint(0, 20, (1 + i % 5,), generator=g).tolist()
+        rows.append({"prompt_ids": prompt, "response_ids": response, "reward": float(i % 2)})
+    data = tmp_path / "rollouts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    metrics = train(short_config(tmp_path / "run", f"data={data}"), out=io.StringIO())
+    assert "eval/ev_returns" in metrics and "eval/ev_true" not in metrics
+    assert len(read_rollouts(data)) == 12
+
+
+def test_evaluate_is_perfect_for_a_critic_that_outputs_the_truth(tmp_path):
+    cfg = short_config(tmp_path / "run")
+    source = train_mod.TaskSource(cfg)
+
+    class Oracle:
+        def compute_values(self, batch):
+            return batch["true_values"]
+
+    m = evaluate(Oracle(), source.eval_batch, gamma=1.0)
+    assert m["eval/ev_true"] == pytest.approx(1.0) and m["eval/mae_true"] == 0
+    assert 0 < m["eval/ev_returns"] < 1  # returns are noisy samples of the truth
