@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
-from test_train import SHORT
 
 from ppo_critic.cli import load_config, main
 from ppo_critic.rollouts import collate, read_rollouts
 from ppo_critic.train import make_worker
+from test_train import SHORT
 
 
 def run_cli(args, capsys):
@@ -101,7 +101,8 @@ def test_values_are_written_in_input_order(tmp_path, capsys):
 
     code, text = run_cli(["export", str(run), str(tmp_path / "exported")], capsys)
     assert code == 0 and (tmp_path / "exported" / "model.safetensors").is_file()
-    code, text = run_cli(["values", str(tmp_path / "exported"), f"data={data}", f"out={tmp_path / 'v2.parquet'}"], capsys)
+    parquet_out = tmp_path / "v2.parquet"
+    code, text = run_cli(["values", str(tmp_path / "exported"), f"data={data}", f"out={parquet_out}"], capsys)
     assert code == 0, text
 
 
