@@ -63,7 +63,9 @@ def test_a_malformed_rollout_file_is_reported_by_row(tmp_path, capsys):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, text = run_cli(["train", f"data={data}", f"trainer.run_dir={tmp_path / 'run'}"], capsys)
     assert code == 2
-    assert "row 2" in text and "response_ids" in text and "3 malformed rows" in text
+    assert "row 2: field 'response_ids'" in text
+    assert "row 3: field 'token_level_rewards'" in text
+    assert "row 4: field 'prompt_ids'" in text
 
 
 def test_values_are_written_in_input_order(tmp_path, capsys):

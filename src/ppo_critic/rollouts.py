@@ -90,13 +90,11 @@ def _check_vocab_size(vocab_size: int | None) -> None:
 
 
 def _describe_bad_rows(path: str, bad: list[tuple[int, str]]) -> str:
-    number, message = bad[0]
-    text = f"{path}: row {number}: {message}"
-    if len(bad) > 1:
-        others = ", ".join(str(n) for n, _ in bad[1 : 1 + _LISTED_ROWS])
-        more = ", ..." if len(bad) - 1 > _LISTED_ROWS else ""
-        text += f" [{len(bad)} malformed rows in total; the others are rows {others}{more}]"
-    return text
+    """One line per malformed row (the first `_LISTED_ROWS`), so every problem can be fixed in one pass."""
+    lines = [f"{path}: row {number}: {message}" for number, message in bad[:_LISTED_ROWS]]
+    if len(bad) > _LISTED_ROWS:
+        lines.append(f"{path}: ... and {len(bad) - _LISTED_ROWS} more malformed rows ({len(bad)} in total)")
+    return "\n".join(lines)
 
 
 def _iter_jsonl(path: str) -> Iterator[tuple[int, bytes]]:
