@@ -1,0 +1,102 @@
+"""CriticWorker: model from config, per-rank sizes, LR schedule, checkpoint round trip."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import TINY, make_batch, state_hash
+from ppo_critic.config import CriticConfig, OptimConfig
+from ppo_critic.worker import CriticWorker, lr_schedule, per_rank_config
+
+
+def worker_config(**optim) -> dict:
+    return {
+        "ppo_mini_batch_size": 4,
+        "ppo_micro_batch_size_per_gpu": 2,
+        "model": {"override_config": {"model_type": "qwen2", **TINY}},
+        "optim": {"lr": 1e-2, **optim},
+    }
+
+
+def test_lr_schedule_warmup_then_cosine_to_the_floor():
+    f = lr_schedule(OptimConfig(warmup_style="cosine", lr_warmup_steps=4, min_lr_ratio=0.1), total_steps=14)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0)
+    assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(14) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
+    constant = lr_schedule(OptimConfig(lr_warmup_steps_ratio=0.5), total_steps=10)
+    assert [constant(s) for s in (0, 4, 5, 50)] == [0.2, 1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="total_training_steps"):
+        lr_schedule(OptimConfig(warmup_style="cosine"), total_steps=None)
+
+
+def test_per_rank_config_divides_global_sizes():
+    cfg = CriticConfig(ppo_mini_batch_size=16, rollout_n=2, ppo_micro_batch_size=8, forward_micro_batch_size=16)
+    rank = per_rank_config(cfg, dp_size=4)
+    assert rank.ppo_mini_batch_size == 8
+    assert (rank.ppo_micro_batch_size_per_gpu, rank.forward_micro_batch_size_per_gpu) == (2, 4)
+    assert rank.ppo_micro_batch_size is None and rank.forward_micro_batch_size is None
+    with pytest.raises(ValueError, match="not divisible by the 3 data-parallel ranks"):
+        per_rank_config(CriticConfig(ppo_mini_batch_size=16), dp_size=3)
+
+
+def test_model_needs_a_path_or_a_full_config():
+    with pytest.raises(ValueError, match=r"critic\.model\.path is not set"):
+        CriticWorker({"ppo_mini_batch_size": 4, "model": {"override_config": {"hidden_size": 64}}})
+
+
+def test_update_steps_the_schedule_and_reports_the_lr_it_used():
+    worker = CriticWorker(worker_config(warmup_style="cosine", lr_warmup_steps=2), total_steps=4)
+    batch = make_batch(8, 6, 5)
+    lrs = [worker.update_critic(batch)["critic/lr"] for _ in range(4)]
+    assert lrs == pytest.approx([5e-3, 1e-2, 1e-2, 1e-2 * 0.5 * (1 + math.cos(math.pi * 0.5))])
+    assert worker.step == 4
+
+
+def test_checkpoint_round_trip_restores_everything(tmp_path):
+    worker = CriticWorker(worker_config(), total_steps=10)
+    batch = make_batch(8, 6, 5)
+    worker.update_critic(batch)
+    generator = torch.Generator().manual_seed(5)
+    path = worker.save_checkpoint(tmp_path, {"data/gen": generator.get_state()}, {"note": "hi"}, keep_last_n=2)
+    expected = worker.update_critic(batch)
+    after = state_hash(worker.model, worker.optimizer)
+
+    fresh = CriticWorker(worker_config(), total_steps=10, seed=123)
+    tensors, state = fresh.load_checkpoint(path, {"data/gen": torch.Generator().get_state()})
+    assert fresh.step == 1 and state["note"] == "hi"
+    assert torch.equal(tensors["data/gen"], generator.get_state())
+    got = fresh.update_critic(batch)
+    assert state_hash(fresh.model, fresh.optimizer) == after
+    assert got["critic/vf_loss"] == expected["critic/vf_loss"] and got["critic/lr"] == expected["critic/lr"]
+
+
+def test_keep_last_n_and_failed_writes_leave_the_previous_checkpoint(tmp_path, monkeypatch):
+    import ppo_critic.checkpoint as ckpt
+
+    worker = CriticWorker(worker_config(), total_steps=10)
+    batch = make_batch(8, 6, 5)
+    for _ in range(3):
+        worker.update_critic(batch)
+        worker.save_checkpoint(tmp_path, keep_last_n=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == [
+        "step_00000002",
+        "step_00000003",
+    ]
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    worker.update_critic(batch)
+    monkeypatch.setattr(ckpt.dcp, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        worker.save_checkpoint(tmp_path, keep_last_n=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("latest")) == [
+        "step_00000002",
+        "step_00000003",
+    ]  # no temporary directory left behind
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_00000003"
+    assert (tmp_path / "latest").read_text().strip() == "step_00000003"
