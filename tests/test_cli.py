@@ -118,3 +118,12 @@ def test_values_and_export_explain_missing_inputs(tmp_path, capsys):
 def test_python_dash_m_runs_the_cli():
     result = subprocess.run([sys.executable, "-m", "ppo_critic", "--help"], capture_output=True, text=True, check=False)
     assert result.returncode == 0 and "train" in result.stdout and "export" in result.stdout
+
+
+def test_the_shipped_default_config_file_matches_the_built_in_defaults():
+    from pathlib import Path
+
+    from ppo_critic.train import TrainConfig
+
+    shipped = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+    assert load_config(shipped, []) == TrainConfig()

@@ -345,7 +345,7 @@ def test_sequence_over_the_dynamic_budget_raises_before_any_step(tiny_qwen2):
     [
         ({"loss_agg_mode": "seq-mean"}, "loss_agg_mode"),
         ({"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 3}, "ppo_micro_batch_size_per_gpu"),
-        ({"model": {"use_remove_padding": True}}, "use_remove_padding"),
+        ({"model": {"use_remove_padding": True, "attn_implementation": "sdpa"}}, "attn_implementation"),
     ],
 )
 def test_bad_config_is_rejected_at_construction(tiny_qwen2, cfg, name):

@@ -33,13 +33,14 @@ class TrlStyleCritic(nn.Module):
         self.pretrained_model = AutoModelForCausalLM.from_config(config)
         self.v_head = TrlValueHead(config.hidden_size)
 
-    def forward(self, input_ids, attention_mask, position_ids, use_cache):
+    def forward(self, input_ids, attention_mask, position_ids, use_cache, **kwargs):
         out = self.pretrained_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=use_cache,
             output_hidden_states=True,
+            **kwargs,
         )
         return out.logits, None, self.v_head(out.hidden_states[-1]).squeeze(-1)
 

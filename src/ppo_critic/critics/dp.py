@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ppo_critic.algos import compute_value_loss
+from ppo_critic.attention import use_packed_attention
 from ppo_critic.batch import MODEL_KEYS, Batch
 from ppo_critic.batching import (
     check_token_budget,
@@ -25,6 +26,7 @@ from ppo_critic.batching import (
 from ppo_critic.config import CriticConfig
 from ppo_critic.critics.base import UPDATE_KEYS, UpdateMetrics, compute_dtype, local_loss_denominators
 from ppo_critic.models.hf import token_values
+from ppo_critic.packing import pack
 
 
 class DataParallelPPOCritic:
@@ -32,8 +34,9 @@ class DataParallelPPOCritic:
 
     def __init__(self, config: Any, critic_module: nn.Module, critic_optimizer: torch.optim.Optimizer):
         self.config = CriticConfig.from_any(config)
-        if self.config.model.use_remove_padding:
-            raise ValueError("model.use_remove_padding=true is not available yet; set it to false")
+        self.use_remove_padding = self.config.model.use_remove_padding
+        if self.use_remove_padding:
+            use_packed_attention(critic_module, self.config.model.attn_implementation)
         if self.config.ulysses_sequence_parallel_size != 1:
             raise ValueError("ulysses_sequence_parallel_size > 1 is not available yet; set it to 1")
         self.critic_module = critic_module
@@ -125,18 +128,29 @@ class DataParallelPPOCritic:
 
     def _forward_micro_batch(self, micro: Batch) -> Tensor:
         """Values [b, R] in float32: the model output at the position before each response token."""
+        r = micro.response_length
+        with self._autocast():
+            values = self._packed_token_values(micro) if self.use_remove_padding else self._token_values(micro)
+        return values[:, -r - 1 : -1].float()
+
+    def _token_values(self, micro: Batch) -> Tensor:
+        """Per-token values [b, T] of the padded micro-batch."""
         position_ids = micro["position_ids"]
         if position_ids.dim() == 3:  # [B, 3, T] mrope → the [3, B, T] that Qwen2-VL expects
             position_ids = position_ids.transpose(0, 1)
-        with self._autocast():
-            output = self.critic_module(
-                input_ids=micro["input_ids"],
-                attention_mask=micro["attention_mask"],
-                position_ids=position_ids,
-                use_cache=False,
-            )
-        r = micro.response_length
-        return token_values(self.critic_module, output)[:, -r - 1 : -1].float()
+        output = self.critic_module(
+            input_ids=micro["input_ids"],
+            attention_mask=micro["attention_mask"],
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        return token_values(self.critic_module, output)
+
+    def _packed_token_values(self, micro: Batch) -> Tensor:
+        """Per-token values [b, T] computed on one packed row of the valid tokens (zeros at padding)."""
+        packed = pack(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
+        output = self.critic_module(**packed.model_kwargs(), use_cache=False)
+        return packed.unpack(token_values(self.critic_module, output))
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.compute_dtype == torch.float32:

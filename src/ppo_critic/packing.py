@@ -1,0 +1,70 @@
+"""Remove padding: a micro-batch becomes one packed row of valid tokens, and per-token outputs go back to [B, T].
+
+Sequences keep their order; `cu_seqlens` marks where each starts in the packed row, so a varlen attention can
+keep them apart. Position ids are taken from the batch (they restart at 0 per sequence, DESIGN §3); mrope
+position ids [B, 3, T] pack to [3, 1, nnz].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class PackedBatch:
+    input_ids: Tensor  # [1, nnz]
+    position_ids: Tensor  # [1, nnz], or [3, 1, nnz] for mrope
+    cu_seqlens: Tensor  # [B + 1] int32: start of each sequence in the packed row (empty rows repeat a value)
+    max_seqlen: int
+    indices: Tensor  # [nnz]: where each packed token sits in the flattened [B * T] batch
+    batch_size: int
+    seq_len: int
+
+    def model_kwargs(self) -> dict:
+        """Keyword arguments for a transformers model call on the packed row (the varlen attention reads
+        `cu_seq_lens_*` / `max_length_*`; no attention mask is built)."""
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "attention_mask": None,
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": self.max_seqlen,
+            "max_length_k": self.max_seqlen,
+        }
+
+    def unpack(self, packed: Tensor) -> Tensor:
+        """Per-token outputs of the packed row, [1, nnz, ...], back to [B, T, ...] with zeros at padding."""
+        if packed.shape[:2] != (1, len(self.indices)):
+            raise ValueError(
+                f"expected packed outputs of shape [1, {len(self.indices)}, ...], got {list(packed.shape)}"
+            )
+        out = packed.new_zeros(self.batch_size * self.seq_len, *packed.shape[2:])
+        out[self.indices] = packed[0]
+        return out.view(self.batch_size, self.seq_len, *packed.shape[2:])
+
+
+def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> PackedBatch:
+    """Keep the tokens where `attention_mask` is 1, in row-major order, as one packed row."""
+    b, t = input_ids.shape
+    valid = attention_mask.bool()
+    indices = valid.flatten().nonzero().squeeze(1)
+    seqlens = valid.sum(-1, dtype=torch.int32)
+    cu_seqlens = F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+    if position_ids.dim() == 3:  # [B, 3, T] mrope
+        packed_pos = position_ids.transpose(0, 1).reshape(position_ids.shape[1], b * t)[:, indices].unsqueeze(1)
+    else:
+        packed_pos = position_ids.flatten()[indices].unsqueeze(0)
+    return PackedBatch(
+        input_ids=input_ids.flatten()[indices].unsqueeze(0),
+        position_ids=packed_pos,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(seqlens.max()) if b else 0,
+        indices=indices,
+        batch_size=b,
+        seq_len=t,
+    )

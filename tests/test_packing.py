@@ -1,0 +1,150 @@
+"""Remove padding: pack/unpack, varlen attention, and packed == padded for values and one update."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import make_batch, tiny_config
+from ppo_critic import DataParallelPPOCritic, build_value_model
+from ppo_critic.attention import VARLEN, varlen_attention
+from ppo_critic.packing import pack
+from test_models_hf import TrlStyleCritic
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 9), st.data())
+def test_pack_then_unpack_is_the_identity_on_valid_tokens(b, t, data):
+    mask = torch.tensor(
+        data.draw(st.lists(st.lists(st.integers(0, 1), min_size=t, max_size=t), min_size=b, max_size=b))
+    )
+    ids = torch.arange(b * t).view(b, t)
+    packed = pack(ids, mask, ids)
+    assert packed.input_ids.shape == (1, int(mask.sum()))
+    assert packed.cu_seqlens.tolist() == [0, *mask.sum(-1).cumsum(0).tolist()]
+    assert packed.max_seqlen == int(mask.sum(-1).max())
+    torch.testing.assert_close(packed.unpack(packed.input_ids.unsqueeze(-1)).squeeze(-1), ids * mask)
+
+
+def test_mrope_position_ids_pack_to_three_rows():
+    ids = torch.arange(8).view(2, 4)
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    pos = torch.stack([ids * 10, ids * 100, ids * 1000], dim=1)  # [B, 3, T]
+    packed = pack(ids, mask, pos)
+    assert packed.position_ids.shape == (3, 1, 5)
+    assert packed.position_ids[:, 0].tolist() == [[v * k for v in (1, 2, 3, 4, 5)] for k in (10, 100, 1000)]
+
+
+def test_varlen_attention_needs_packed_inputs():
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        varlen_attention(torch.nn.Module(), q, q, q, None)
+
+
+MODELS = {
+    "qwen2": lambda: build_value_model(tiny_config("qwen2")),
+    "llama": lambda: build_value_model(tiny_config("llama", num_key_value_heads=4)),
+    "generic": lambda: build_value_model(tiny_config("olmo2")),
+    "trl": lambda: build_value_model(TrlStyleCritic()),
+}
+
+
+def critic_pair(name, **cfg):
+    torch.manual_seed(0)
+    base = MODELS[name]()
+    config = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4, "grad_clip": None, **cfg}
+    critics = []
+    for packed in (False, True):
+        model = copy.deepcopy(base)
+        c = {**config, "model": {"use_remove_padding": packed}}
+        critics.append(DataParallelPPOCritic(c, model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    return critics
+
+
+def edge_batch(kind):
+    if kind == "varied":
+        return make_batch(8, 7, 6, seed=3)
+    if kind == "response-1":
+        return make_batch(8, 5, 1, seed=4)
+    if kind == "no-padding-row":
+        batch = make_batch(8, 5, 4, seed=5)
+        batch["attention_mask"][0] = 1
+        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        return batch
+    if kind == "equal-lengths":
+        batch = make_batch(8, 5, 4, seed=6)
+        batch["attention_mask"][:] = 1
+        batch["attention_mask"][:, :2] = 0
+        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        return batch
+    raise KeyError(kind)
+
+
+def assert_same_values_and_update(padded, packed, batch):
+    torch.testing.assert_close(packed.compute_values(batch), padded.compute_values(batch), rtol=0, atol=1e-5)
+    before = [p.detach().clone() for p in padded.critic_module.parameters()]
+    padded.update_critic(batch)
+    packed.update_critic(batch)
+    for p0, a, b in zip(before, padded.critic_module.parameters(), packed.critic_module.parameters(), strict=True):
+        delta_a, delta_b = a.detach() - p0, b.detach() - p0
+        assert (delta_a - delta_b).norm() <= 1e-5 * max(delta_a.norm(), 1e-12) + 1e-9
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic"])
+def test_packed_equals_padded(name, dynamic):
+    cfg = {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 24} if dynamic else {}
+    padded, packed = critic_pair(name, **cfg)
+    assert_same_values_and_update(padded, packed, edge_batch("varied"))
+
+
+@pytest.mark.parametrize("kind", ["response-1", "no-padding-row", "equal-lengths"])
+def test_packed_equals_padded_on_edge_cases(kind):
+    padded, packed = critic_pair("qwen2")
+    assert_same_values_and_update(padded, packed, edge_batch(kind))
+
+
+def test_packed_equals_padded_for_a_batch_of_one():
+    padded, packed = critic_pair("qwen2", ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1)
+    assert_same_values_and_update(padded, packed, make_batch(1, 5, 4, seed=7))
+
+
+def test_packed_sequences_do_not_attend_to_each_other():
+    _, packed = critic_pair("qwen2")
+    batch = make_batch(8, 6, 5, seed=8)
+    before = packed.compute_values(batch)
+    changed = dict(batch)
+    changed["input_ids"] = batch["input_ids"].clone()
+    changed["input_ids"][3] = (changed["input_ids"][3] + 1) % 128
+    after = packed.compute_values(changed)
+    others = [i for i in range(8) if i != 3]
+    assert torch.equal(before[others], after[others])
+    assert not torch.equal(before[3], after[3])
+
+
+def test_packed_path_switches_attention_and_always_passes_use_cache_false(monkeypatch):
+    _, packed = critic_pair("qwen2")
+    model = packed.critic_module
+    assert model.config._attn_implementation == VARLEN
+    seen = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda **kw: seen.append(kw) or forward(**kw))
+    packed.compute_values(make_batch(8, 6, 5))
+    assert seen and all(kw["use_cache"] is False and kw["attention_mask"] is None for kw in seen)
+    assert all(kw["input_ids"].shape[0] == 1 for kw in seen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["qwen2", "generic"])
+def test_packed_equals_padded_on_cuda(name):
+    padded, packed = critic_pair(name, dtype="float32")
+    for critic in (padded, packed):
+        critic.critic_module.cuda()
+        critic.device = torch.device("cuda")
+    batch = make_batch(8, 7, 6, seed=9)
+    torch.testing.assert_close(packed.compute_values(batch), padded.compute_values(batch), rtol=0, atol=2e-3)
+    assert packed.update_critic(batch)["critic/skipped_steps"] == 0
