@@ -161,7 +161,7 @@ def _option_lines(obj: Any = None, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if f.name == "task" and not prefix:
-            lines += [f"task.name={value['name']}", *_option_lines(obj.task_config(), "task.")]
+            lines += [f"task.name={value.get('name', 'counting')}", *_option_lines(obj.task_config(), "task.")]
         elif dataclasses.is_dataclass(value):
             lines += _option_lines(value, f"{prefix}{f.name}.")
         else:

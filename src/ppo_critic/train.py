@@ -38,8 +38,8 @@ DEFAULT_MODEL = {
 class TrainerConfig:
     """The loop around the critic. `rollout_batch_size` rollouts per step; checkpoints under `run_dir`."""
 
-    steps: int = 200
-    rollout_batch_size: int = 64
+    steps: int = 400
+    rollout_batch_size: int = 192
     gamma: float = 1.0
     lam: float = 0.95
     eval_size: int = 512
@@ -58,8 +58,8 @@ class TrainerConfig:
 def _default_critic() -> CriticConfig:
     return CriticConfig(
         strategy="none",
-        ppo_mini_batch_size=32,
-        ppo_micro_batch_size_per_gpu=32,
+        ppo_mini_batch_size=96,
+        ppo_micro_batch_size_per_gpu=96,
         ppo_epochs=2,
         cliprange_value=None,
         grad_clip=1.0,
@@ -72,7 +72,7 @@ def _default_critic() -> CriticConfig:
 class TrainConfig:
     """Everything `ppo-critic train` reads: the rollout source (`task` or `data`), the critic, the loop."""
 
-    task: dict = field(default_factory=lambda: {"name": "counting"})
+    task: dict = field(default_factory=lambda: {"name": "counting", "num_targets": 2, "max_response_len": 12})
     data: str | None = None
     critic: CriticConfig = field(default_factory=_default_critic)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
