@@ -44,7 +44,7 @@ def varlen_attention(
         raise ValueError(f"attention {VARLEN!r} does not support sliding-window layers (sliding_window is set)")
     if query.shape[0] != 1:
         raise ValueError(f"attention {VARLEN!r} expects one packed row, got a batch of {query.shape[0]}")
-    causal = getattr(module, "is_causal", True)
+    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     dropout = dropout if module.training else 0.0
     if query.device.type == "cuda":
         max_len = int(kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
