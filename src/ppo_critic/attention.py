@@ -147,5 +147,11 @@ def use_packed_attention(model: nn.Module, name: str | None = None) -> str:
             f"{type(model).__name__} has no transformers model inside whose attention can be switched to {name!r}; "
             "set model.use_remove_padding=false"
         )
-    targets[0].set_attn_implementation(name)
+    model = targets[0]
+    sub_configs = getattr(model.config, "sub_configs", {}) or {}
+    if "text_config" in sub_configs:  # multimodal: only the language model runs on the packed row
+        keep = {k: getattr(model.config, k)._attn_implementation or "sdpa" for k in sub_configs if k != "text_config"}
+        model.set_attn_implementation({**keep, "text_config": name})
+    else:
+        model.set_attn_implementation(name)
     return name

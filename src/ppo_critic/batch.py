@@ -16,6 +16,7 @@ from torch import Tensor
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 TARGET_KEYS = ("values", "returns")
+MULTI_MODAL = "multi_modal_inputs"  # per-sample dicts of model inputs (e.g. pixel_values, image_grid_thw)
 _LAYOUT = (
     "a rollout batch needs input_ids [B, T] (integer), attention_mask [B, T], position_ids [B, T] or "
     "[B, 3, T], responses [B, R]; update_critic also needs values and returns [B, R]"

@@ -6,10 +6,10 @@ import torch
 from torch import Tensor
 
 from ppo_critic.algos import explained_variance, masked_mean
-from ppo_critic.batch import Batch
+from ppo_critic.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
 from ppo_critic.config import CriticConfig
 
-UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "values", "returns")
+UPDATE_KEYS = (*MODEL_KEYS, "response_mask", *TARGET_KEYS, MULTI_MODAL)
 
 
 def compute_dtype(config: CriticConfig, device: torch.device) -> torch.dtype:

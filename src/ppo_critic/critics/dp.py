@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ppo_critic.algos import compute_value_loss
 from ppo_critic.attention import use_packed_attention
-from ppo_critic.batch import MODEL_KEYS, Batch
+from ppo_critic.batch import MODEL_KEYS, MULTI_MODAL, Batch
 from ppo_critic.batching import (
     check_token_budget,
     dynamic_micro_batches,
@@ -59,7 +59,7 @@ class DataParallelPPOCritic:
         use_dynamic = bool(meta.get("use_dynamic_bsz", self.config.use_dynamic_bsz))
         micro_batch_size = int(meta.get("micro_batch_size", self.config.micro_batch_sizes(self.dp_size)[1]))
         max_token_len = int(meta.get("max_token_len", self.config.forward_max_token_len)) * self.sp_size
-        batch = batch.select((*MODEL_KEYS, "response_mask")).to(self.device, non_blocking=True)
+        batch = batch.select((*MODEL_KEYS, "response_mask", MULTI_MODAL)).to(self.device, non_blocking=True)
         groups = self._micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
         self.critic_module.eval()
         values = restore_order([self._forward_micro_batch(batch.index(g)) for g in groups], groups)
@@ -143,14 +143,26 @@ class DataParallelPPOCritic:
             attention_mask=micro["attention_mask"],
             position_ids=position_ids,
             use_cache=False,
+            **self._multi_modal_kwargs(micro),
         )
         return token_values(self.critic_module, output)
 
     def _packed_token_values(self, micro: Batch) -> Tensor:
         """Per-token values [b, T] computed on one packed row of the valid tokens (zeros at padding)."""
         packed = pack(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
-        output = self.critic_module(**packed.model_kwargs(), use_cache=False)
+        output = self.critic_module(**packed.model_kwargs(), use_cache=False, **self._multi_modal_kwargs(micro))
         return packed.unpack(token_values(self.critic_module, output))
+
+    def _multi_modal_kwargs(self, micro: Batch) -> dict[str, Tensor]:
+        """Per-sample `multi_modal_inputs` (e.g. pixel_values, image_grid_thw) concatenated in row order."""
+        samples = micro.non_tensors.get(MULTI_MODAL)
+        if samples is None:
+            return {}
+        keys = dict.fromkeys(k for sample in samples for k in sample)
+        return {
+            k: torch.cat([torch.as_tensor(s[k]) for s in samples if k in s]).to(self.device, non_blocking=True)
+            for k in keys
+        }
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.compute_dtype == torch.float32:
