@@ -1,0 +1,29 @@
+"""The benchmark scripts stay runnable (tiny CPU sizes; speed itself is measured in bench/, not here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_packing_benchmark_runs_and_reports_both_paths(tmp_path):
+    out = tmp_path / "packing.json"
+    args = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--batch", "4"]
+    args += ["--prompt", "8", "--response", "8", "--micro", "2", "--repeats", "1", "--out", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "packing.py"), *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "update_critic" in result.stdout and "packed/padded" in result.stdout
+    summary = json.loads(out.read_text())
+    for path in ("padded", "packed"):
+        assert all(v > 0 for v in summary["median_tokens_per_s"][path].values())
+
+
+def test_gpu_scripts_are_valid_bash():
+    for script in (ROOT / "bench" / "gpu").glob("*.sh"):
+        assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0, script
