@@ -46,6 +46,26 @@ def make_batch(
     }
 
 
+def edited(tensors: dict, **changes) -> dict:
+    """A copy of `tensors` with keys replaced (a value of None removes the key)."""
+    out = dict(tensors)
+    for key, value in changes.items():
+        if value is None:
+            out.pop(key)
+        else:
+            out[key] = value
+    return out
+
+
+class FakeDataProto:
+    """The attributes of verl's DataProto that `Batch.from_any` relies on."""
+
+    def __init__(self, batch, non_tensor_batch, meta_info):
+        self.batch = batch
+        self.non_tensor_batch = non_tensor_batch
+        self.meta_info = meta_info
+
+
 def state_hash(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
     """A digest of parameters and optimizer state: equal digests mean nothing changed."""
     h = hashlib.sha256()

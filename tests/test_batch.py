@@ -9,6 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from conftest import FakeDataProto, edited
 from ppo_critic.batch import Batch
 
 PROMPT_LENS = [4, 2, 3]
@@ -43,23 +44,8 @@ def make_non_tensors() -> dict[str, np.ndarray]:
     return {"multi_modal_inputs": mm, "uid": np.array([f"uid-{i}" for i in range(B)], dtype=object)}
 
 
-class FakeDataProto:
-    """The attributes of verl's DataProto that `Batch.from_any` relies on."""
-
-    def __init__(self, batch: TensorDict, non_tensor_batch: dict[str, np.ndarray], meta_info: dict[str, Any]):
-        self.batch = batch
-        self.non_tensor_batch = non_tensor_batch
-        self.meta_info = meta_info
-
-
 def make_batch(targets: bool = True, **overrides: Any) -> Batch:
-    tensors = make_tensors(targets)
-    for key, value in overrides.items():
-        if value is None:
-            tensors.pop(key)
-        else:
-            tensors[key] = value
-    return Batch(tensors)
+    return Batch(edited(make_tensors(targets), **overrides))
 
 
 # ---------------------------------------------------------------------------------------------- sanity of the fixture

@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from conftest import make_batch, state_hash
+from conftest import FakeDataProto, edited, make_batch, state_hash
 from ppo_critic import DataParallelPPOCritic
 from ppo_critic.algos import LOSS_AGG_MODES, compute_value_loss, explained_variance, masked_mean
 from ppo_critic.batching import dynamic_micro_batches
@@ -31,14 +31,11 @@ class IdsAsValues(nn.Module):
         return SimpleNamespace(logits=(input_ids.float() * self.scale).unsqueeze(-1))
 
 
-class DataProtoStandIn:
-    """The duck-typed surface of verl's DataProto."""
-
-    def __init__(self, tensors: dict, meta_info: dict | None = None):
-        b = tensors["input_ids"].shape[0]
-        self.batch = TensorDict(tensors, batch_size=[b])
-        self.non_tensor_batch = {"uid": np.array([f"id{i}" for i in range(b)], dtype=object)}
-        self.meta_info = meta_info or {}
+def DataProtoStandIn(tensors: dict, meta_info: dict | None = None) -> FakeDataProto:
+    """A verl-DataProto-shaped object holding `tensors`, a per-sample uid and `meta_info`."""
+    b = tensors["input_ids"].shape[0]
+    uid = {"uid": np.array([f"id{i}" for i in range(b)], dtype=object)}
+    return FakeDataProto(TensorDict(tensors, batch_size=[b]), uid, meta_info or {})
 
 
 def make_critic(model, optimizer=None, **cfg):
@@ -283,13 +280,7 @@ def _bad_batches():
     good = make_batch(8, 6, 5, seed=9)
 
     def edit(**changes):
-        batch = dict(good)
-        for key, value in changes.items():
-            if value is None:
-                batch.pop(key)
-            else:
-                batch[key] = value
-        return batch
+        return edited(good, **changes)
 
     nan_values = good["values"].clone()
     nan_values[0, 0] = float("nan")
