@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from ppo_critic.algos import explained_variance, masked_mean
 from ppo_critic.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
 from ppo_critic.config import CriticConfig
 
@@ -45,30 +46,51 @@ class UpdateMetrics:
         self.step_losses.append(loss.detach().double())
         self.grad_norms.append(grad_norm.detach().double())
 
-    def result(self, batch: Batch, lr: float, elapsed_s: float, epochs: int) -> dict[str, float]:
-        norms = torch.stack(self.grad_norms)
+    def result(
+        self, batch: Batch, lr: float, elapsed_s: float, epochs: int, reduce: Callable[[Tensor, str], Tensor]
+    ) -> dict[str, float]:
+        """The metrics of DESIGN §3, identical on every rank: sums and extrema go through `reduce` (over DP)."""
+        norms = torch.stack(self.grad_norms)  # global norms: the same on every rank
         finite = torch.isfinite(norms)
-        tokens = self.tokens.clamp(min=1)
-        values, returns, mask = batch["values"], batch["returns"], batch.response_mask.bool()
-        valid = values[mask].double()
-        empty = values.new_zeros((), dtype=torch.float64)
-        stats = torch.stack(
-            [
-                torch.stack(self.step_losses).mean(),
-                self.clipped / tokens,
-                self.vpred_sum / tokens,
-                torch.where(finite, norms, 0.0).sum() / finite.sum().clamp(min=1),
-                (~finite).sum().double(),
-                explained_variance(values, returns, mask).double(),
-                masked_mean(values.float(), mask).double(),
-                valid.min() if valid.numel() else empty,
-                valid.max() if valid.numel() else empty,
-                batch["attention_mask"].sum().double() * epochs,
-            ]
-        ).tolist()
-        names = ["vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "skipped_steps", "vf_explained_var"]
-        names += ["values_mean", "values_min", "values_max"]
-        metrics = {f"critic/{name}": value for name, value in zip(names, stats, strict=False)}
-        metrics["critic/lr"] = float(lr)
-        metrics["perf/tokens_per_s"] = stats[-1] / max(elapsed_s, 1e-9)
+        mask = batch.response_mask.bool()
+        values, returns = batch["values"].double(), batch["returns"].double()
+        err = returns - values
+        big = torch.tensor(torch.finfo(torch.float64).max, dtype=torch.float64, device=values.device)
+        sums = reduce(
+            torch.stack(
+                [
+                    torch.stack(self.step_losses).sum(),
+                    self.tokens,
+                    self.clipped,
+                    self.vpred_sum,
+                    *(torch.where(mask, x, 0.0).sum() for x in (values, returns, returns**2, err, err**2)),
+                    mask.sum().double(),
+                    batch["attention_mask"].sum().double() * epochs,
+                ]
+            ),
+            "sum",
+        )
+        extrema = reduce(
+            torch.stack([torch.where(mask, values, big).min(), -torch.where(mask, values, -big).max()]), "min"
+        )
+        step_loss, tokens, clipped, vpred, v_sum, r_sum, r_sq, e_sum, e_sq, count, seen = sums.tolist()
+        n, t = max(count, 1.0), max(tokens, 1.0)
+        var_returns = r_sq / n - (r_sum / n) ** 2
+        var_err = e_sq / n - (e_sum / n) ** 2
+        defined = var_returns > 1e-12 * (r_sq / n)
+        empty = count == 0
+        metrics = {
+            "critic/vf_loss": step_loss / len(self.step_losses),
+            "critic/vf_clipfrac": clipped / t,
+            "critic/vpred_mean": vpred / t,
+            "critic/grad_norm": float(torch.where(finite, norms, 0.0).sum() / finite.sum().clamp(min=1)),
+            "critic/skipped_steps": float((~finite).sum()),
+            "critic/vf_explained_var": 1 - var_err / var_returns if defined else 0.0,
+            "critic/values_mean": v_sum / n,
+            "critic/values_min": 0.0 if empty else extrema[0].item(),
+            "critic/values_max": 0.0 if empty else -extrema[1].item(),
+            "critic/lr": float(lr),
+        }
+        slowest = float(reduce(torch.tensor(elapsed_s, device=values.device), "max"))
+        metrics["perf/tokens_per_s"] = seen / max(slowest, 1e-9)
         return metrics

@@ -27,6 +27,8 @@ from ppo_critic.config import CriticConfig
 from ppo_critic.critics.base import UPDATE_KEYS, UpdateMetrics, compute_dtype, local_loss_denominators
 from ppo_critic.models.hf import token_values
 from ppo_critic.packing import pack
+from ppo_critic.parallel.fsdp import clip_grad_norm
+from ppo_critic.parallel.mesh import dp_world
 
 
 class DataParallelPPOCritic:
@@ -43,8 +45,8 @@ class DataParallelPPOCritic:
         self.critic_optimizer = critic_optimizer
         self.device = next(critic_module.parameters()).device
         self.compute_dtype = compute_dtype(self.config, self.device)
-        self.dp_size = 1
         self.sp_size = self.config.ulysses_sequence_parallel_size
+        self.dp_group, self.dp_size = dp_world(self.sp_size)
 
     @torch.no_grad()
     def compute_values(self, data: Any) -> Tensor:
@@ -62,7 +64,9 @@ class DataParallelPPOCritic:
         batch = batch.select((*MODEL_KEYS, "response_mask", MULTI_MODAL)).to(self.device, non_blocking=True)
         groups = self._micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
         self.critic_module.eval()
-        values = restore_order([self._forward_micro_batch(batch.index(g)) for g in groups], groups)
+        outputs = [self._forward_micro_batch(batch.index(g or [0])) for g in groups]  # [] keeps ranks in step
+        kept = [(o, g) for o, g in zip(outputs, groups, strict=True) if g]
+        values = restore_order([o for o, _ in kept], [g for _, g in kept])
         return torch.where(batch.response_mask.bool(), values, 0.0).float().cpu()
 
     def update_critic(self, data: Any) -> dict[str, float]:
@@ -87,44 +91,50 @@ class DataParallelPPOCritic:
             ):
                 self._optimizer_step(batch.index(rows), metrics, max_token_len)
         lr = self.critic_optimizer.param_groups[0]["lr"]
-        return metrics.result(batch, lr, time.perf_counter() - start, cfg.ppo_epochs)
+        return metrics.result(batch, lr, time.perf_counter() - start, cfg.ppo_epochs, self._all_reduce)
 
     def _optimizer_step(self, mini_batch: Batch, metrics: UpdateMetrics, max_token_len: int) -> None:
         """Accumulate the gradient of one mini-batch over its micro-batches, clip, and step (or skip)."""
         cfg = self.config
-        norm = {**local_loss_denominators(mini_batch.response_mask), "dp_size": self.dp_size}
-        norm["loss_scale_factor"] = cfg.loss_scale_factor
+        norm = {k: self._all_reduce(v) for k, v in local_loss_denominators(mini_batch.response_mask).items()}
+        norm |= {"dp_size": self.dp_size, "loss_scale_factor": cfg.loss_scale_factor}
         self.critic_optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         micro_size = cfg.micro_batch_sizes(self.dp_size)[0]
         for rows in self._micro_batches(mini_batch, cfg.use_dynamic_bsz, micro_size, max_token_len):
-            micro = mini_batch.index(rows)
+            micro = mini_batch.index(rows or [0])  # an empty group runs with zero weight, so ranks stay in step
             vpreds = self._forward_micro_batch(micro)
-            mask = micro.response_mask
+            mask = micro.response_mask if rows else torch.zeros_like(micro.response_mask)
             loss, clipfrac = compute_value_loss(
                 vpreds, micro["returns"], micro["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **norm
             )
             loss.backward()
             step_loss += loss.detach()
             metrics.add_micro_batch(vpreds, clipfrac, mask)
-        grad_norm = self._clip_grad_norm()
+        grad_norm = clip_grad_norm(self.critic_module, cfg.grad_clip)
         if torch.isfinite(grad_norm):
             self.critic_optimizer.step()
         self.critic_optimizer.zero_grad(set_to_none=True)
         metrics.add_step(step_loss / self.dp_size, grad_norm)
 
-    def _clip_grad_norm(self) -> Tensor:
-        """Total gradient norm before clipping (clipping only when `grad_clip` is set)."""
-        max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
-        params = [p for p in self.critic_module.parameters() if p.grad is not None]
-        if not params:
-            return torch.zeros((), device=self.device)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+    def _all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
+        """`op` (sum, max or min) of `x` over the data-parallel ranks; `x` itself in a single process."""
+        if self.dp_size == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, op.upper()), group=self.dp_group)
+        return x
 
     def _micro_batches(self, batch: Batch, dynamic: bool, size: int, max_token_len: int) -> list[list[int]]:
-        if dynamic:
-            return dynamic_micro_batches(batch["attention_mask"].sum(-1), max_token_len)
-        return fixed_micro_batches(len(batch), size)
+        """Row groups of the micro-batches; every DP rank gets the same number (empty groups pad the count)."""
+        lens = batch["attention_mask"].sum(-1)
+        groups = dynamic_micro_batches(lens, max_token_len) if dynamic else fixed_micro_batches(len(batch), size)
+        count = int(self._all_reduce(torch.tensor(len(groups), device=self.device), op="max"))
+        if count > len(groups) and dynamic:
+            groups = dynamic_micro_batches(lens, max_token_len, min_num_micro_batches=count)
+        return groups + [[] for _ in range(count - len(groups))]
 
     def _forward_micro_batch(self, micro: Batch) -> Tensor:
         """Values [b, R] in float32: the model output at the position before each response token."""

@@ -1,0 +1,84 @@
+"""Data-parallel wrapping applied to a plain model (torchtitan style), and gradient clipping that fits it.
+
+`parallelize(model, strategy)`: `none`, `ddp`, `fsdp` (FSDP1) or `fsdp2` (`fully_shard` per decoder layer, then
+the root). Build the optimizer *after* wrapping: FSDP replaces the parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ppo_critic.config import STRATEGIES
+
+
+def parallelize(
+    model: nn.Module, strategy: str, device: torch.device, mixed_precision: bool | None = None
+) -> nn.Module:
+    """Wrap `model` for data parallelism over the default process group (a no-op without one, or for `none`).
+
+    `mixed_precision` (default: on CUDA) keeps bf16 parameters in compute with fp32 gradient reduction (FSDP2).
+    """
+    import torch.distributed as dist
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is unknown; expected one of {STRATEGIES}")
+    if strategy == "none" or not dist.is_initialized():
+        return model
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if strategy == "fsdp":
+        return _apply_fsdp1(model, device)
+    return _apply_fsdp2(model, device, device.type == "cuda" if mixed_precision is None else mixed_precision)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: every module inside an nn.ModuleList named `layers` / `h` / `blocks`."""
+    return [
+        layer
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks")
+        for layer in module
+    ]
+
+
+def _apply_fsdp2(model: nn.Module, device: torch.device, mixed_precision: bool) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+    kwargs = {"mp_policy": policy} if policy is not None else {}
+    for layer in _decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _apply_fsdp1(model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    layer_types = {type(layer) for layer in _decoder_layers(model)}
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy(layer_types) if layer_types else None,
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        device_id=device,
+        use_orig_params=True,
+        sync_module_states=device.type == "cuda",
+    )
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> Tensor:
+    """Total gradient norm over all ranks before clipping; clips when `max_norm` is set."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    limit = float("inf") if max_norm is None else max_norm
+    if isinstance(model, FullyShardedDataParallel):
+        return model.clip_grad_norm_(limit)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros((), device=next(model.parameters()).device)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=limit)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
