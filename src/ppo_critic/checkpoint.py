@@ -39,27 +39,34 @@ def save_checkpoint(
     keep_last_n: int | None = None,
 ) -> Path:
     """Write model + optimizer + `tensors` (DCP) and `state` (JSON) as `root/step_<step>`; keep the newest n."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    root, lead = Path(root), _rank() <= 0
     final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp = root / f".tmp-{final.name}"  # one name on every rank (DCP writes a shard per rank into it)
+    if lead:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+    _barrier()
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         with _single_process_ok():
             dcp.save({"model": model_sd, "optim": optim_sd, "extra": tensors}, checkpoint_id=str(tmp))
-        _write_text(tmp / STATE_FILE, json.dumps({"step": step, **state}, indent=1))
-        _fsync_dir(tmp)
-        if final.exists():  # the same step saved again after a resume: replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        if lead:
+            _write_text(tmp / STATE_FILE, json.dumps({"step": step, **state}, indent=1))
+            _fsync_dir(tmp)
+            if final.exists():  # the same step saved again after a resume: replace it whole
+                shutil.rmtree(final)
+            os.rename(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(root)
-    _write_text(root / LATEST, final.name + "\n")
-    if keep_last_n:
-        for old in _complete_steps(root)[:-keep_last_n]:
-            shutil.rmtree(old, ignore_errors=True)
+    if lead:
+        _fsync_dir(root)
+        _write_text(root / LATEST, final.name + "\n")
+        if keep_last_n:
+            for old in _complete_steps(root)[:-keep_last_n]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
     return final
 
 
@@ -92,19 +99,26 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike) -> Path:
     `ppo_critic.build_value_model(out_dir)`.
     """
     from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from ppo_critic.models.hf import VALUE_HEAD_FILE, ValueModel
 
     out = Path(out_dir)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=_rank() >= 0))
+    if _rank() > 0:  # under data parallelism the first rank writes; the others only helped gather the weights
+        _barrier()
+        return out
+    model = getattr(model, "module", model)  # DDP / FSDP1
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
     try:
         if isinstance(model, ValueModel):
-            model.model.save_pretrained(tmp, safe_serialization=True)
-            head = {f"score.{k}": v.detach().contiguous().cpu() for k, v in model.score.state_dict().items()}
+            backbone = {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
+            model.model.save_pretrained(tmp, state_dict=backbone, safe_serialization=True)
+            head = {k: v.detach().contiguous().cpu() for k, v in full.items() if k.startswith("score.")}
             save_file(head, str(tmp / VALUE_HEAD_FILE))
         elif hasattr(model, "save_pretrained"):
-            model.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
         else:
             raise TypeError(f"{type(model).__name__} is not a transformers model; HF export needs save_pretrained")
         _fsync_dir(tmp)
@@ -116,7 +130,22 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _barrier()
     return out
+
+
+def _rank() -> int:
+    """This process's rank, or -1 without a process group (single process)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else -1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
 
 
 @contextlib.contextmanager

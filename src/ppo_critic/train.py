@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,42 +202,51 @@ def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float) -> di
 
 
 def train(cfg: TrainConfig, out=sys.stdout) -> dict[str, float]:
-    """Run (or resume) the job in `cfg.trainer.run_dir`; returns the last metrics row."""
+    """Run (or resume) the job in `cfg.trainer.run_dir`; returns the last metrics row.
+
+    Under torchrun every rank trains its share; the first rank alone writes files and prints.
+    """
     from omegaconf import OmegaConf
 
     t = cfg.trainer
     run_dir = Path(t.run_dir)
     ckpt_root = run_dir / "checkpoints"
-    run_dir.mkdir(parents=True, exist_ok=True)
     source = FileSource(cfg) if cfg.data else TaskSource(cfg)
     cfg = resolve_model(cfg, source.vocab_size)
     worker = make_worker(cfg)
-    resolved = OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
-    (run_dir / "config.yaml").write_text(resolved)
-    print(resolved, file=out)
+    lead = worker.rank == 0
+    out = out if lead else open(os.devnull, "w")  # noqa: SIM115 - closed with the process
+    if lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
+        (run_dir / "config.yaml").write_text(resolved)
+        print(resolved, file=out)
     checkpoint = None if t.resume == "never" else latest_checkpoint(ckpt_root) if t.resume == "auto" else Path(t.resume)
     if checkpoint is not None:
         tensors, state = worker.load_checkpoint(checkpoint, source.state()[0])
         source.load_state(tensors, state)
         print(f"resumed from {checkpoint} at step {worker.step}", file=out)
-    log = RunLog(run_dir, resume_step=worker.step, tensorboard=t.tensorboard)
+    log = RunLog(run_dir, resume_step=worker.step, tensorboard=t.tensorboard) if lead else None
     metrics: dict[str, float] = {}
-    progress = _Progress(t, worker.step)
+    progress = _Progress(t, worker.step, enabled=lead)
     try:
         while worker.step < t.steps:
             metrics = _iteration(worker, source, t)
             step = worker.step
             if step % t.eval_every == 0 or step == t.steps:
                 metrics |= evaluate(worker, source.eval_batch, t.gamma)
-            log.log(step, metrics)
+            if log is not None:
+                log.log(step, metrics)
             progress.update(metrics)
             if (t.save_every and step % t.save_every == 0) or step == t.steps:
                 tensors, state = source.state()
                 worker.save_checkpoint(ckpt_root, tensors, state, keep_last_n=t.keep_last_n or None)
     finally:
         progress.close()
-        log.close()
-    plot_curves(run_dir / "metrics.jsonl", run_dir / CURVES_FILE)
+        if log is not None:
+            log.close()
+    if lead:
+        plot_curves(run_dir / "metrics.jsonl", run_dir / CURVES_FILE)
     if t.export_hf:
         worker.export_hf(run_dir / "hf")
     return metrics
@@ -254,10 +264,11 @@ def _iteration(worker: CriticWorker, source: TaskSource | FileSource, t: Trainer
 class _Progress:
     """A tqdm bar (step, loss, explained variance, tokens/s, ETA), or a line every `eval_every` steps."""
 
-    def __init__(self, t: TrainerConfig, start: int):
+    def __init__(self, t: TrainerConfig, start: int, enabled: bool = True):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=t.steps, initial=start, disable=not t.progress, dynamic_ncols=True, desc="train")
+        disable = not (t.progress and enabled)
+        self.bar = tqdm(total=t.steps, initial=start, disable=disable, dynamic_ncols=True, desc="train")
         self.ev = float("nan")
 
     def update(self, m: dict[str, float]) -> None:

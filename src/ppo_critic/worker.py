@@ -16,11 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ppo_critic.batch import Batch
 from ppo_critic.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from ppo_critic.config import CriticConfig, ModelConfig, OptimConfig, per_rank
 from ppo_critic.critics import DataParallelPPOCritic
 from ppo_critic.models.hf import build_value_model
-from ppo_critic.parallel.mesh import resolve_device
+from ppo_critic.parallel.fsdp import parallelize
+from ppo_critic.parallel.mesh import dp_world, init_distributed, resolve_device
 
 
 class CriticWorker:
@@ -29,13 +31,18 @@ class CriticWorker:
     def __init__(self, config: Any, *, total_steps: int | None = None, device: str = "auto", seed: int = 0):
         self.config = CriticConfig.from_any(config)
         self.device = resolve_device(device)
-        self.dp_size = 1
+        init_distributed()
+        self.dp_group, self.dp_size = dp_world(self.config.ulysses_sequence_parallel_size)
+        self.rank = torch.distributed.get_rank() if self.dp_size > 1 else 0
+        if self.dp_size > 1 and self.config.strategy == "none":
+            raise ValueError(f"critic.strategy=none cannot train on {self.dp_size} ranks; use fsdp2, fsdp or ddp")
         optim = self.config.optim
         factor = lr_schedule(optim, optim.total_training_steps if optim.total_training_steps > 0 else total_steps)
         torch.manual_seed(seed)
-        self.model = model_from_config(self.config.model).to(self.device)
+        model = model_from_config(self.config.model).to(self.device)  # same seed: same weights on every rank
         if self.config.model.enable_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable()
+        self.model = parallelize(model, self.config.strategy, self.device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
         )
@@ -44,10 +51,24 @@ class CriticWorker:
         self.step = 0
 
     def compute_values(self, batch: Any) -> Tensor:
-        return self.critic.compute_values(batch)
+        """Values of the whole (global) batch, in input order, on every rank; each rank computes a 1/DP share."""
+        if self.dp_size == 1:
+            return self.critic.compute_values(batch)
+        batch = Batch.from_any(batch)
+        local = self.critic.compute_values(batch.index(self._shard(len(batch), len(batch))))
+        parts = [torch.empty_like(local) for _ in range(self.dp_size)]
+        torch.distributed.all_gather(parts, local.to(self.device), group=self.dp_group)
+        return torch.cat([p.cpu() for p in parts])
 
     def update_critic(self, batch: Any) -> dict[str, float]:
-        """One critic update; `critic/lr` is the rate that update used, then the schedule advances."""
+        """One critic update on the global batch; `critic/lr` is the rate it used, then the schedule advances.
+
+        Under DP each rank trains on its share of every global mini-batch, so a mini-batch holds the same rows
+        as in a single process (without `shuffle`) and the update is the same.
+        """
+        if self.dp_size > 1:
+            batch = Batch.from_any(batch)
+            batch = batch.index(self._shard(len(batch), self.config.ppo_mini_batch_size * self.config.rollout_n))
         metrics = self.critic.update_critic(batch)
         self.scheduler.step()
         self.step += 1
@@ -75,6 +96,17 @@ class CriticWorker:
         self.step = int(state["worker_step"])
         torch.set_rng_state(loaded.pop("rng/torch"))
         return loaded, state
+
+    def _shard(self, batch_size: int, block: int) -> Tensor:
+        """This rank's rows: inside every block of `block` rows, the rank's contiguous 1/DP slice."""
+        if block % self.dp_size or batch_size % block:
+            raise ValueError(
+                f"a batch of {batch_size} rows cannot be split over {self.dp_size} data-parallel ranks in blocks of "
+                f"{block}; use a batch size that is a multiple of {block} and of the DP size"
+            )
+        share = block // self.dp_size
+        rows = torch.arange(batch_size).view(-1, block)[:, self.rank * share : (self.rank + 1) * share]
+        return rows.flatten()
 
     def export_hf(self, out_dir: str | Path) -> Path:
         return export_hf(self.model, out_dir)

@@ -41,17 +41,18 @@ def reference(path: Path) -> None:
     torch.save({"model": base, "batch": batch, "updates": updates, "values": critic.compute_values(batch)}, path)
 
 
-def torchrun(script: Path, *args: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+def torchrun(*argv: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=N <argv>` (a script path, or `-m module`), gloo on CPU."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), *sys.path])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", str(script)]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
 def test_layout_invariance_at_dp2(tmp_path):
     ref = tmp_path / "reference.pt"
     out = tmp_path / "out.json"
     reference(ref)
-    result = torchrun(HERE / "layouts_worker.py", str(ref), str(out))
+    result = torchrun(str(HERE / "layouts_worker.py"), str(ref), str(out))
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
     layouts = report["layouts"]
