@@ -51,6 +51,7 @@ class TrainerConfig:
     resume: str = "auto"
     seed: int = 0
     device: str = "auto"
+    dist_timeout_s: float = 600.0
     progress: bool = True
     tensorboard: bool = True
     export_hf: bool = True
@@ -183,7 +184,8 @@ def resolve_model(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
 
 
 def make_worker(cfg: TrainConfig) -> CriticWorker:
-    return CriticWorker(cfg.critic, total_steps=cfg.trainer.steps, device=cfg.trainer.device, seed=cfg.trainer.seed)
+    t = cfg.trainer
+    return CriticWorker(cfg.critic, total_steps=t.steps, device=t.device, seed=t.seed, dist_timeout_s=t.dist_timeout_s)
 
 
 def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float) -> dict[str, float]:

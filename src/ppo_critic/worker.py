@@ -28,14 +28,20 @@ from ppo_critic.parallel.mesh import dp_world, init_distributed, resolve_device
 class CriticWorker:
     """Owns model, optimizer, schedule and critic; one `update_critic` call = one schedule step."""
 
-    def __init__(self, config: Any, *, total_steps: int | None = None, device: str = "auto", seed: int = 0):
+    def __init__(
+        self,
+        config: Any,
+        *,
+        total_steps: int | None = None,
+        device: str = "auto",
+        seed: int = 0,
+        dist_timeout_s: float = 600.0,
+    ):
         self.config = CriticConfig.from_any(config)
         self.device = resolve_device(device)
-        init_distributed()
+        init_distributed(dist_timeout_s)  # under torchrun: a rank stuck longer than this in a collective fails
         self.dp_group, self.dp_size = dp_world(self.config.ulysses_sequence_parallel_size)
         self.rank = torch.distributed.get_rank() if self.dp_size > 1 else 0
-        if self.dp_size > 1 and self.config.strategy == "none":
-            raise ValueError(f"critic.strategy=none cannot train on {self.dp_size} ranks; use fsdp2, fsdp or ddp")
         optim = self.config.optim
         factor = lr_schedule(optim, optim.total_training_steps if optim.total_training_steps > 0 else total_steps)
         torch.manual_seed(seed)

@@ -18,7 +18,7 @@ from ppo_critic import DataParallelPPOCritic
 from ppo_critic.parallel.fsdp import parallelize
 from ppo_critic.parallel.mesh import init_distributed
 
-STRATEGIES = ("ddp", "fsdp", "fsdp2")
+STRATEGIES = ("none", "ddp", "fsdp", "fsdp2")
 MICRO = ({"ppo_micro_batch_size_per_gpu": 1}, {"ppo_micro_batch_size_per_gpu": 2}, {"ppo_micro_batch_size_per_gpu": 4})
 DYNAMIC = ({"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 20},)
 

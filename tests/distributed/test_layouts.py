@@ -56,7 +56,7 @@ def test_layout_invariance_at_dp2(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
     layouts = report["layouts"]
-    assert len(layouts) == len(MODES) * 3 * 4 * 2
+    assert len(layouts) == len(MODES) * 4 * 4 * 2
     bad = [r for r in layouts if not (r["rel"] <= 1e-5 and r["metric_rel"] <= 1e-5)]
     assert not bad, bad
     assert report["values_max_abs"] <= 1e-5

@@ -27,7 +27,7 @@ from ppo_critic.config import CriticConfig
 from ppo_critic.critics.base import UPDATE_KEYS, UpdateMetrics, compute_dtype, local_loss_denominators
 from ppo_critic.models.hf import token_values
 from ppo_critic.packing import pack
-from ppo_critic.parallel.fsdp import clip_grad_norm
+from ppo_critic.parallel.fsdp import average_plain_gradients, clip_grad_norm
 from ppo_critic.parallel.mesh import dp_world
 
 
@@ -111,6 +111,7 @@ class DataParallelPPOCritic:
             loss.backward()
             step_loss += loss.detach()
             metrics.add_micro_batch(vpreds, clipfrac, mask)
+        average_plain_gradients(self.critic_module, self.dp_group, self.dp_size)
         grad_norm = clip_grad_norm(self.critic_module, cfg.grad_clip)
         if torch.isfinite(grad_norm):
             self.critic_optimizer.step()

@@ -24,7 +24,7 @@ def parallelize(
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is unknown; expected one of {STRATEGIES}")
     if strategy == "none" or not dist.is_initialized():
-        return model
+        return model  # under DP the critic averages the gradients itself (average_plain_gradients)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -68,6 +68,24 @@ def _apply_fsdp1(model: nn.Module, device: torch.device) -> nn.Module:
         use_orig_params=True,
         sync_module_states=device.type == "cuda",
     )
+
+
+def average_plain_gradients(model: nn.Module, group: object | None, size: int) -> None:
+    """Average gradients over the DP ranks for an unwrapped model (strategy `none`); wrapped models do it
+    themselves (DDP all-reduce, FSDP reduce-scatter)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if size == 1 or isinstance(model, DistributedDataParallel | FullyShardedDataParallel):
+        return
+    import torch.distributed as dist
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if any(hasattr(g, "full_tensor") for g in grads):  # FSDP2: DTensor gradients are already reduced
+        return
+    for grad in grads:
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        grad.div_(size)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> Tensor:
