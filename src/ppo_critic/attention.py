@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ppo_critic.parallel import ulysses
+
 VARLEN = "ppo_critic_varlen"
 PACKED_IMPLEMENTATIONS = (VARLEN, "flash_attention_2", "flash_attention_3")
 
@@ -46,6 +48,28 @@ def varlen_attention(
         raise ValueError(f"attention {VARLEN!r} expects one packed row, got a batch of {query.shape[0]}")
     causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
     dropout = dropout if module.training else 0.0
+    group = ulysses.active_group()
+    if group is not None:  # Ulysses: my tokens × all heads → all tokens × my heads, attend, and back
+        query, key, value = _ulysses_split(query, key, value, group)
+        out, _ = _attend(query, key, value, cu_seqlens, scaling, dropout, causal, kwargs)
+        return ulysses.heads_to_seq(out, group), None
+    return _attend(query, key, value, cu_seqlens, scaling, dropout, causal, kwargs)
+
+
+def _ulysses_split(q: Tensor, k: Tensor, v: Tensor, group: object) -> tuple[Tensor, Tensor, Tensor]:
+    """All-to-all q/k/v from sequence shards to head shards; K/V heads are replicated when sp does not divide them."""
+    import torch.distributed as dist
+
+    sp = dist.get_world_size(group)
+    if k.shape[1] % sp:
+        k = k.repeat_interleave(sp // k.shape[1], dim=1)
+        v = v.repeat_interleave(sp // v.shape[1], dim=1)
+    return ulysses.seq_to_heads(q, group), ulysses.seq_to_heads(k, group), ulysses.seq_to_heads(v, group)
+
+
+def _attend(
+    query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scaling, dropout: float, causal: bool, kwargs: dict
+) -> tuple[Tensor, None]:
     if query.device.type == "cuda":
         max_len = int(kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
         out = _cuda_varlen(

@@ -37,6 +37,25 @@ class PackedBatch:
             "max_length_k": self.max_seqlen,
         }
 
+    def sequence_parallel_kwargs(self, sp: int, rank: int) -> dict:
+        """`model_kwargs` for rank `rank` of an sp group: the row padded to a multiple of `sp` (the padding is a
+        sequence of its own in `cu_seqlens`), and this rank's 1/sp slice of ids and positions."""
+        nnz = self.input_ids.shape[1]
+        pad = (-nnz) % sp
+        chunk = slice(rank * (nnz + pad) // sp, (rank + 1) * (nnz + pad) // sp)
+        ids = F.pad(self.input_ids, (0, pad))
+        pad_pos = torch.arange(pad, device=self.position_ids.device).expand(*self.position_ids.shape[:-1], pad)
+        pos = torch.cat([self.position_ids, pad_pos], dim=-1)
+        cu = self.cu_seqlens
+        if pad:
+            cu = torch.cat([cu, cu.new_tensor([nnz + pad])])
+        kwargs = self.model_kwargs() | {"input_ids": ids[:, chunk], "position_ids": pos[..., chunk]}
+        return (
+            kwargs
+            | {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(self.max_seqlen, pad)}
+            | {"max_length_k": max(self.max_seqlen, pad)}
+        )
+
     def unpack(self, packed: Tensor) -> Tensor:
         """Per-token outputs of the packed row, [1, nnz, ...], back to [B, T, ...] with zeros at padding."""
         if packed.shape[:2] != (1, len(self.indices)):

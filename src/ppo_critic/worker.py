@@ -22,7 +22,7 @@ from ppo_critic.config import CriticConfig, ModelConfig, OptimConfig, per_rank
 from ppo_critic.critics import DataParallelPPOCritic
 from ppo_critic.models.hf import build_value_model
 from ppo_critic.parallel.fsdp import parallelize
-from ppo_critic.parallel.mesh import dp_world, init_distributed, resolve_device
+from ppo_critic.parallel.mesh import init_distributed, parallel_groups, resolve_device
 
 
 class CriticWorker:
@@ -40,8 +40,9 @@ class CriticWorker:
         self.config = CriticConfig.from_any(config)
         self.device = resolve_device(device)
         init_distributed(dist_timeout_s)  # under torchrun: a rank stuck longer than this in a collective fails
-        self.dp_group, self.dp_size = dp_world(self.config.ulysses_sequence_parallel_size)
-        self.rank = torch.distributed.get_rank() if self.dp_size > 1 else 0
+        self.groups = parallel_groups(self.config.ulysses_sequence_parallel_size)
+        self.dp_group, self.dp_size = self.groups.dp_group, self.groups.dp_size
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         optim = self.config.optim
         factor = lr_schedule(optim, optim.total_training_steps if optim.total_training_steps > 0 else total_steps)
         torch.manual_seed(seed)
@@ -111,7 +112,8 @@ class CriticWorker:
                 f"{block}; use a batch size that is a multiple of {block} and of the DP size"
             )
         share = block // self.dp_size
-        rows = torch.arange(batch_size).view(-1, block)[:, self.rank * share : (self.rank + 1) * share]
+        first = self.groups.dp_rank * share
+        rows = torch.arange(batch_size).view(-1, block)[:, first : first + share]
         return rows.flatten()
 
     def export_hf(self, out_dir: str | Path) -> Path:

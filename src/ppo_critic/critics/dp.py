@@ -28,7 +28,8 @@ from ppo_critic.critics.base import UPDATE_KEYS, UpdateMetrics, compute_dtype, l
 from ppo_critic.models.hf import token_values
 from ppo_critic.packing import pack
 from ppo_critic.parallel.fsdp import average_plain_gradients, clip_grad_norm
-from ppo_critic.parallel.mesh import dp_world
+from ppo_critic.parallel.mesh import parallel_groups
+from ppo_critic.parallel.ulysses import check_heads_of, gather_sequence, sequence_parallel
 
 
 class DataParallelPPOCritic:
@@ -39,14 +40,15 @@ class DataParallelPPOCritic:
         self.use_remove_padding = self.config.model.use_remove_padding
         if self.use_remove_padding:
             use_packed_attention(critic_module, self.config.model.attn_implementation)
-        if self.config.ulysses_sequence_parallel_size != 1:
-            raise ValueError("ulysses_sequence_parallel_size > 1 is not available yet; set it to 1")
         self.critic_module = critic_module
         self.critic_optimizer = critic_optimizer
         self.device = next(critic_module.parameters()).device
         self.compute_dtype = compute_dtype(self.config, self.device)
         self.sp_size = self.config.ulysses_sequence_parallel_size
-        self.dp_group, self.dp_size = dp_world(self.sp_size)
+        self.groups = parallel_groups(self.sp_size)
+        self.dp_group, self.dp_size = self.groups.dp_group, self.groups.dp_size
+        if self.sp_size > 1:
+            check_heads_of(critic_module, self.sp_size)
 
     @torch.no_grad()
     def compute_values(self, data: Any) -> Tensor:
@@ -97,7 +99,8 @@ class DataParallelPPOCritic:
         """Accumulate the gradient of one mini-batch over its micro-batches, clip, and step (or skip)."""
         cfg = self.config
         norm = {k: self._all_reduce(v) for k, v in local_loss_denominators(mini_batch.response_mask).items()}
-        norm |= {"dp_size": self.dp_size, "loss_scale_factor": cfg.loss_scale_factor}
+        # gradients are averaged over all dp × sp ranks; each sp rank holds part of the same loss
+        norm |= {"dp_size": self.groups.world_size, "loss_scale_factor": cfg.loss_scale_factor}
         self.critic_optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         micro_size = cfg.micro_batch_sizes(self.dp_size)[0]
@@ -111,12 +114,12 @@ class DataParallelPPOCritic:
             loss.backward()
             step_loss += loss.detach()
             metrics.add_micro_batch(vpreds, clipfrac, mask)
-        average_plain_gradients(self.critic_module, self.dp_group, self.dp_size)
+        average_plain_gradients(self.critic_module, None, self.groups.world_size)
         grad_norm = clip_grad_norm(self.critic_module, cfg.grad_clip)
         if torch.isfinite(grad_norm):
             self.critic_optimizer.step()
         self.critic_optimizer.zero_grad(set_to_none=True)
-        metrics.add_step(step_loss / self.dp_size, grad_norm)
+        metrics.add_step(step_loss / self.groups.world_size, grad_norm)
 
     def _all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
         """`op` (sum, max or min) of `x` over the data-parallel ranks; `x` itself in a single process."""
@@ -159,10 +162,22 @@ class DataParallelPPOCritic:
         return token_values(self.critic_module, output)
 
     def _packed_token_values(self, micro: Batch) -> Tensor:
-        """Per-token values [b, T] computed on one packed row of the valid tokens (zeros at padding)."""
+        """Per-token values [b, T] computed on one packed row of the valid tokens (zeros at padding).
+
+        With Ulysses (sp > 1) each rank of the sp group runs its slice of the row and the values are gathered.
+        """
         packed = pack(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
-        output = self.critic_module(**packed.model_kwargs(), use_cache=False, **self._multi_modal_kwargs(micro))
-        return packed.unpack(token_values(self.critic_module, output))
+        multi_modal = self._multi_modal_kwargs(micro)
+        if self.sp_size == 1:
+            output = self.critic_module(**packed.model_kwargs(), use_cache=False, **multi_modal)
+            return packed.unpack(token_values(self.critic_module, output))
+        if multi_modal:
+            raise ValueError("multi_modal_inputs with ulysses_sequence_parallel_size > 1 are not supported; use sp=1")
+        sp_rank = torch.distributed.get_rank(self.groups.sp_group)
+        with sequence_parallel(self.groups.sp_group):
+            output = self.critic_module(**packed.sequence_parallel_kwargs(self.sp_size, sp_rank), use_cache=False)
+            values = gather_sequence(token_values(self.critic_module, output), self.groups.sp_group)
+        return packed.unpack(values[:, : packed.input_ids.shape[1]])
 
     def _multi_modal_kwargs(self, micro: Batch) -> dict[str, Tensor]:
         """Per-sample `multi_modal_inputs` (e.g. pixel_values, image_grid_thw) concatenated in row order."""

@@ -1,0 +1,99 @@
+"""Ulysses sequence parallelism: each rank of an sp group holds 1/sp of the packed row; attention swaps sequence
+sharding for head sharding with an all-to-all (and back), so it sees whole sequences for its heads.
+
+The critic enters `sequence_parallel(group)` around the model call; the registered varlen attention reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_GROUP: list[object] = []  # the active sp group (a stack, so nesting is harmless)
+
+
+@contextlib.contextmanager
+def sequence_parallel(group: object) -> Iterator[None]:
+    """Within this block, varlen attention runs Ulysses over `group`."""
+    _GROUP.append(group)
+    try:
+        yield
+    finally:
+        _GROUP.pop()
+
+
+def active_group() -> object | None:
+    return _GROUP[-1] if _GROUP else None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Split `x` along `scatter_dim` over the group and concatenate what arrives along `gather_dim`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: object, scatter_dim: int, gather_dim: int) -> Tensor:
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        size = dist.get_world_size(group)
+        inputs = [t.contiguous() for t in x.chunk(size, dim=scatter_dim)]
+        outputs = [torch.empty_like(t) for t in inputs]
+        dist.all_to_all(outputs, inputs, group=group)
+        return torch.cat(outputs, dim=gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _AllToAll.apply(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def seq_to_heads(x: Tensor, group: object) -> Tensor:
+    """[1, H, L/sp, D] (all heads, my tokens) → [1, H/sp, L, D] (my heads, all tokens)."""
+    return _AllToAll.apply(x, group, 1, 2)
+
+
+def heads_to_seq(x: Tensor, group: object) -> Tensor:
+    """[1, L, H/sp, D] (all tokens, my heads) → [1, L/sp, H, D] (my tokens, all heads)."""
+    return _AllToAll.apply(x, group, 1, 2)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 1 in the forward; the backward keeps this rank's slice (every rank holds the same
+    loss, so summing the slices' gradients would count it sp times)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: object) -> Tensor:
+        ctx.group, ctx.local = group, x.shape[1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        rank = dist.get_rank(ctx.group)
+        return grad[:, rank * ctx.local : (rank + 1) * ctx.local].contiguous(), None
+
+
+def gather_sequence(x: Tensor, group: object) -> Tensor:
+    """[1, L/sp, ...] per rank → [1, L, ...] on every rank, differentiable."""
+    return _GatherSeq.apply(x, group)
+
+
+def check_heads_of(model: torch.nn.Module, sp: int) -> None:
+    """Fail early when the model's attention heads cannot be split over `sp` ranks."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    if config is None:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if heads is not None:
+        check_heads(heads, getattr(text, "num_key_value_heads", None) or heads, sp)
+
+
+def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
+    if num_heads % sp:
+        raise ValueError(f"ulysses_sequence_parallel_size={sp} must divide the number of attention heads ({num_heads})")
+    if num_kv_heads % sp and sp % num_kv_heads:
+        raise ValueError(
+            f"ulysses_sequence_parallel_size={sp} and the {num_kv_heads} key/value heads must divide one another"
+        )

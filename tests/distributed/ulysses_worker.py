@@ -1,0 +1,57 @@
+"""Run under torchrun (2 ranks: sp=2; 4 ranks: dp=2 × sp=2). argv: <reference.pt> <out.json> <sp>.
+
+For each model (GQA with 2 and with 1 key/value head), loss mode and micro-batching: values and one FSDP2
+update, compared with the single-process reference of test_ulysses.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from layouts_worker import full_params
+
+from ppo_critic import DataParallelPPOCritic
+from ppo_critic.parallel.fsdp import parallelize
+from ppo_critic.parallel.mesh import init_distributed, parallel_groups
+
+LAYOUTS = ({"ppo_micro_batch_size_per_gpu": 2}, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 12})
+
+
+def main() -> None:
+    ref_path, out_path, sp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    init_distributed(timeout_s=120)
+    groups = parallel_groups(sp)
+    ref = torch.load(ref_path, weights_only=False)
+    batch = {k: v[groups.dp_rank :: groups.dp_size] for k, v in ref["batch"].items()}
+    mini = len(ref["batch"]["input_ids"]) // groups.dp_size
+    results = []
+    for name, entry in ref["models"].items():
+        for mode, expected in entry["updates"].items():
+            for layout in LAYOUTS:
+                model = parallelize(copy.deepcopy(entry["model"]), "fsdp2", torch.device("cpu"))
+                cfg = {"ppo_mini_batch_size": mini, "grad_clip": None, "loss_agg_mode": mode, **layout}
+                cfg |= {"ulysses_sequence_parallel_size": sp, "model": {"use_remove_padding": True}}
+                critic = DataParallelPPOCritic(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1))
+                values = critic.compute_values(batch)
+                parts = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
+                dist.all_gather(parts, values)
+                full = torch.zeros_like(entry["values"])
+                for r, part in enumerate(parts):
+                    full[(r // sp) :: groups.dp_size] = part
+                critic.update_critic(batch)
+                params = full_params(model)
+                delta = torch.cat([(params[k] - v).flatten() for k, v in expected["before"].items()])
+                rel = ((delta - expected["delta"]).norm() / expected["delta"].norm()).item()
+                err = (full - entry["values"]).abs().max().item()
+                results.append({"model": name, "mode": mode, "layout": layout, "rel": rel, "values_max_abs": err})
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
