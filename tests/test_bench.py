@@ -27,3 +27,13 @@ def test_packing_benchmark_runs_and_reports_both_paths(tmp_path):
 def test_gpu_scripts_are_valid_bash():
     for script in (ROOT / "bench" / "gpu").glob("*.sh"):
         assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0, script
+
+
+def test_ulysses_memory_benchmark_runs_single_process():
+    args = ["--tokens", "64", "--layers", "1", "--hidden", "32", "--heads", "2"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "ulysses_memory.py"), *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["sp"] == 1 and row["tokens"] == 64 and row["peak_activation_mib"] >= 0

@@ -1,7 +1,7 @@
 """Run under torchrun (2 ranks: sp=2; 4 ranks: dp=2 × sp=2). argv: <reference.pt> <out.json> <sp>.
 
-For each model (GQA with 2 and with 1 key/value head), loss mode and micro-batching: values and one FSDP2
-update, compared with the single-process reference of test_ulysses.py."""
+For each model (GQA with 2 and with 1 key/value head), loss mode, wrapping (FSDP2, FSDP1) and micro-batching:
+values and one update, compared with the single-process reference of test_ulysses.py."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def main() -> None:
     results = []
     for name, entry in ref["models"].items():
         for mode, expected in entry["updates"].items():
-            for layout in LAYOUTS:
-                model = parallelize(copy.deepcopy(entry["model"]), "fsdp2", torch.device("cpu"))
+            for strategy, layout in [(s, lay) for s in ("fsdp2", "fsdp") for lay in LAYOUTS]:
+                model = parallelize(copy.deepcopy(entry["model"]), strategy, torch.device("cpu"))
                 cfg = {"ppo_mini_batch_size": mini, "grad_clip": None, "loss_agg_mode": mode, **layout}
                 cfg |= {"ulysses_sequence_parallel_size": sp, "model": {"use_remove_padding": True}}
                 critic = DataParallelPPOCritic(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -46,7 +46,10 @@ def main() -> None:
                 delta = torch.cat([(params[k] - v).flatten() for k, v in expected["before"].items()])
                 rel = ((delta - expected["delta"]).norm() / expected["delta"].norm()).item()
                 err = (full - entry["values"]).abs().max().item()
-                results.append({"model": name, "mode": mode, "layout": layout, "rel": rel, "values_max_abs": err})
+                results.append(
+                    {"model": name, "strategy": strategy, "mode": mode, "layout": layout, "rel": rel}
+                    | {"values_max_abs": err}
+                )
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
