@@ -24,37 +24,28 @@ class PackedBatch:
     batch_size: int
     seq_len: int
 
-    def model_kwargs(self) -> dict:
-        """Keyword arguments for a transformers model call on the packed row (the varlen attention reads
-        `cu_seq_lens_*` / `max_length_*`; no attention mask is built)."""
-        return {
-            "input_ids": self.input_ids,
-            "position_ids": self.position_ids,
-            "attention_mask": None,
-            "cu_seq_lens_q": self.cu_seqlens,
-            "cu_seq_lens_k": self.cu_seqlens,
-            "max_length_q": self.max_seqlen,
-            "max_length_k": self.max_seqlen,
-        }
-
-    def sequence_parallel_kwargs(self, sp: int, rank: int) -> dict:
-        """`model_kwargs` for rank `rank` of an sp group: the row padded to a multiple of `sp` (the padding is a
-        sequence of its own in `cu_seqlens`), and this rank's 1/sp slice of ids and positions."""
+    def model_kwargs(self, sp: int = 1, rank: int = 0) -> dict:
+        """Keyword arguments for a transformers model call on the packed row: the varlen attention reads
+        `cu_seq_lens_*` / `max_length_*`, and no attention mask is built. For rank `rank` of a Ulysses group of
+        `sp` ranks, the row is padded to a multiple of `sp` (the padding is a sequence of its own in
+        `cu_seqlens`) and the ids and positions are this rank's 1/sp slice."""
         nnz = self.input_ids.shape[1]
         pad = (-nnz) % sp
         chunk = slice(rank * (nnz + pad) // sp, (rank + 1) * (nnz + pad) // sp)
         ids = F.pad(self.input_ids, (0, pad))
         pad_pos = torch.arange(pad, device=self.position_ids.device).expand(*self.position_ids.shape[:-1], pad)
         pos = torch.cat([self.position_ids, pad_pos], dim=-1)
-        cu = self.cu_seqlens
-        if pad:
-            cu = torch.cat([cu, cu.new_tensor([nnz + pad])])
-        kwargs = self.model_kwargs() | {"input_ids": ids[:, chunk], "position_ids": pos[..., chunk]}
-        return (
-            kwargs
-            | {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(self.max_seqlen, pad)}
-            | {"max_length_k": max(self.max_seqlen, pad)}
-        )
+        cu = torch.cat([self.cu_seqlens, self.cu_seqlens.new_tensor([nnz + pad])]) if pad else self.cu_seqlens
+        longest = max(self.max_seqlen, pad)
+        return {
+            "input_ids": ids[:, chunk],
+            "position_ids": pos[..., chunk],
+            "attention_mask": None,
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": longest,
+            "max_length_k": longest,
+        }
 
     def unpack(self, packed: Tensor) -> Tensor:
         """Per-token outputs of the packed row, [1, nnz, ...], back to [B, T, ...] with zeros at padding."""

@@ -175,7 +175,7 @@ class DataParallelPPOCritic:
             raise ValueError("multi_modal_inputs with ulysses_sequence_parallel_size > 1 are not supported; use sp=1")
         sp_rank = torch.distributed.get_rank(self.groups.sp_group)
         with sequence_parallel(self.groups.sp_group):
-            output = self.critic_module(**packed.sequence_parallel_kwargs(self.sp_size, sp_rank), use_cache=False)
+            output = self.critic_module(**packed.model_kwargs(self.sp_size, sp_rank), use_cache=False)
             values = gather_sequence(token_values(self.critic_module, output), self.groups.sp_group)
         return packed.unpack(values[:, : packed.input_ids.shape[1]])
 
