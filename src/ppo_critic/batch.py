@@ -75,7 +75,7 @@ class Batch:
     def index(self, idx: Tensor | Sequence[int]) -> Batch:
         """Rows `idx` (in that order) of every per-sample entry."""
         idx = torch.as_tensor(idx, dtype=torch.long)
-        rows = idx.tolist()
+        rows = idx.tolist() if self.non_tensors else []
         return Batch(
             {k: v[idx.to(v.device)] for k, v in self.tensors.items()},
             {k: _take(v, rows) for k, v in self.non_tensors.items()},

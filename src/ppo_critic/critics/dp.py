@@ -114,7 +114,7 @@ class DataParallelPPOCritic:
             loss.backward()
             step_loss += loss.detach()
             metrics.add_micro_batch(vpreds, clipfrac, mask)
-        average_plain_gradients(self.critic_module, None, self.groups.world_size)
+        average_plain_gradients(self.critic_module, self.groups.world_size)
         grad_norm = clip_grad_norm(self.critic_module, cfg.grad_clip)
         if torch.isfinite(grad_norm):
             self.critic_optimizer.step()

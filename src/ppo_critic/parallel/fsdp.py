@@ -31,7 +31,7 @@ def parallelize(
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if strategy == "fsdp":
         return _apply_fsdp1(model, device)
-    return _apply_fsdp2(model, device, device.type == "cuda" if mixed_precision is None else mixed_precision)
+    return _apply_fsdp2(model, device.type == "cuda" if mixed_precision is None else mixed_precision)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -44,7 +44,7 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-def _apply_fsdp2(model: nn.Module, device: torch.device, mixed_precision: bool) -> nn.Module:
+def _apply_fsdp2(model: nn.Module, mixed_precision: bool) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
@@ -70,9 +70,9 @@ def _apply_fsdp1(model: nn.Module, device: torch.device) -> nn.Module:
     )
 
 
-def average_plain_gradients(model: nn.Module, group: object | None, size: int) -> None:
-    """Average gradients over the DP ranks for an unwrapped model (strategy `none`); wrapped models do it
-    themselves (DDP all-reduce, FSDP reduce-scatter)."""
+def average_plain_gradients(model: nn.Module, size: int) -> None:
+    """Average gradients over all `size` ranks of the default group for an unwrapped model (strategy `none`); wrapped
+    models do it themselves (DDP all-reduce, FSDP reduce-scatter)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
@@ -84,7 +84,7 @@ def average_plain_gradients(model: nn.Module, group: object | None, size: int) -
     if any(hasattr(g, "full_tensor") for g in grads):  # FSDP2: DTensor gradients are already reduced
         return
     for grad in grads:
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
         grad.div_(size)
 
 
