@@ -91,8 +91,11 @@ def load_checkpoint(
     return state_dict["extra"], json.loads((path / STATE_FILE).read_text())
 
 
-def export_hf(model: nn.Module, out_dir: str | os.PathLike) -> Path:
+def export_hf(model: nn.Module, out_dir: str | os.PathLike, state_dict: dict[str, Tensor] | None = None) -> Path:
     """Write safetensors + config loadable by transformers, atomically (a temp dir renamed into place).
+
+    `state_dict` (full, HF names) replaces the model's own weights, e.g. gathered from megatron shards; `model`
+    then only provides the architecture and may live on the meta device.
 
     Token-classification critics load with `AutoModelForTokenClassification.from_pretrained(out_dir)`. A generic
     critic (backbone + head) is saved as the backbone plus `value_head.safetensors`; load it with
@@ -104,7 +107,9 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike) -> Path:
     from ppo_critic.models.hf import VALUE_HEAD_FILE, ValueModel
 
     out = Path(out_dir)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=_rank() >= 0))
+    full = state_dict
+    if full is None:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=_rank() >= 0))
     if _rank() > 0:  # under data parallelism the first rank writes; the others only helped gather the weights
         _barrier()
         return out

@@ -18,18 +18,21 @@ from typing import Any
 
 from ppo_critic.algos import LOSS_AGG_MODES
 
-STRATEGIES = ("fsdp2", "fsdp", "ddp", "none")
+STRATEGIES = ("fsdp2", "fsdp", "ddp", "none", "megatron")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 DTYPES |= {"float16": "float16", "fp16": "float16"}
 VALUE_HEAD_INIT = re.compile(r"^(default|zero|normal:(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?)$")
 HEAD_KINDS = ("auto", "token_classification", "generic")
 WARMUP_STYLES = ("constant", "cosine")
+OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass
 class OptimConfig:
-    """AdamW and LR-schedule settings (used by the worker that builds the optimizer)."""
+    """Optimizer and LR-schedule settings (used by the worker that builds the optimizer). `optimizer`: `adamw`,
+    or `sgd` (plain, no momentum: the update is the gradient, which makes layouts comparable exactly)."""
 
+    optimizer: str = "adamw"
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.01
@@ -64,6 +67,40 @@ class ModelConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """The megatron-core layout (verl's `critic.megatron` section), read when `strategy` is `megatron`."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    seed: int = 42
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+
+    def errors(self) -> list[str]:
+        errors = _positive_int_errors(
+            self,
+            ["tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"],
+            ["virtual_pipeline_model_parallel_size"],
+        )
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and vpp > 1 and self.pipeline_model_parallel_size < 2:
+            errors.append(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2")
+        if self.context_parallel_size != 1:
+            errors.append("context_parallel_size must be 1 (context parallelism needs transformer-engine)")
+        if self.sequence_parallel:
+            errors.append("sequence_parallel=true is not supported (it needs transformer-engine); set false")
+        for name in ("param_offload", "grad_offload", "optimizer_offload"):
+            if getattr(self, name):
+                errors.append(f"{name}=true is not supported by the megatron backend yet; set false")
+        return ["megatron." + e for e in errors]
+
+
+@dataclass
 class CriticConfig:
     """The critic section of a verl config. Batch sizes are per data-parallel rank (verl's convention)."""
 
@@ -91,6 +128,7 @@ class CriticConfig:
     profiler: dict = field(default_factory=dict)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     @classmethod
     def from_any(cls, cfg: Any) -> CriticConfig:
@@ -167,6 +205,12 @@ class CriticConfig:
             errors.append("shuffle=true needs data_loader_seed (an int) so every rank shuffles identically")
         if self.ulysses_sequence_parallel_size > 1 and not self.model.use_remove_padding:
             errors.append("ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true")
+        if self.strategy == "megatron":
+            errors += self.megatron.errors()
+            if self.ulysses_sequence_parallel_size != 1:
+                errors.append(
+                    "ulysses_sequence_parallel_size must be 1 with strategy=megatron (use megatron's tensor parallel)"
+                )
         errors += self.model_errors() + self.optim_errors()
         if errors:
             raise ValueError("invalid critic config:\n  - " + "\n  - ".join(prefix + e for e in errors))
@@ -188,7 +232,9 @@ class CriticConfig:
 
     def optim_errors(self) -> list[str]:
         o = self.optim
-        errors = _choice_errors({"optim.warmup_style": (o.warmup_style, WARMUP_STYLES)})
+        errors = _choice_errors(
+            {"optim.warmup_style": (o.warmup_style, WARMUP_STYLES), "optim.optimizer": (o.optimizer, OPTIMIZERS)}
+        )
         if not (isinstance(o.lr, int | float) and o.lr >= 0):
             errors.append(f"optim.lr={o.lr!r} must be a number >= 0")
         if len(tuple(o.betas)) != 2 or not all(0 <= b < 1 for b in o.betas):

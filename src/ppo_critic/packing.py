@@ -2,7 +2,8 @@
 
 Sequences keep their order; `cu_seqlens` marks where each starts in the packed row, so a varlen attention can
 keep them apart. Position ids are taken from the batch (they restart at 0 per sequence, DESIGN §3); mrope
-position ids [B, 3, T] pack to [3, 1, nnz].
+position ids [B, 3, T] pack to [3, 1, nnz]. `compact` is the variant for models that only run padded causal
+batches (megatron's local layers): each row's valid tokens move to its start, so no padding mask is needed.
 """
 
 from __future__ import annotations
@@ -77,4 +78,35 @@ def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Pac
         indices=indices,
         batch_size=b,
         seq_len=t,
+    )
+
+
+@dataclass
+class CompactBatch:
+    input_ids: Tensor  # [B, L]: each row's valid tokens first, in order; L = the longest row
+    position_ids: Tensor  # [B, L]
+    index: Tensor  # [B, L]: the column of [B, T] each slot came from (slots past a row's end point at its padding)
+    valid: Tensor  # [B, L] bool
+    seq_len: int  # T
+
+    def expand(self, outputs: Tensor) -> Tensor:
+        """Per-token outputs [B, L] back to [B, T] with zeros at padding (differentiable)."""
+        out = outputs.new_zeros(outputs.shape[0], self.seq_len)
+        return out.scatter(1, self.index, torch.where(self.valid, outputs, 0.0))
+
+
+def compact(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> CompactBatch:
+    """Move each row's valid tokens to its start (any mask, not only left/right padding): under a causal
+    attention a token then sees exactly the valid tokens before it, as with the padded mask."""
+    if position_ids.dim() != 2:
+        raise ValueError(f"compact takes position_ids [B, T], got shape {list(position_ids.shape)}")
+    valid = attention_mask.bool()
+    order = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
+    index = order[:, : max(int(valid.sum(-1).max()), 1)] if len(valid) else order
+    return CompactBatch(
+        input_ids=input_ids.gather(1, index),
+        position_ids=position_ids.gather(1, index),
+        index=index,
+        valid=valid.gather(1, index),
+        seq_len=input_ids.shape[1],
     )

@@ -1,5 +1,6 @@
-"""`CriticWorker`: what a PPO trainer needs around `DataParallelPPOCritic` — the value model built from the config,
-AdamW, the LR schedule, checkpoints and HF export.
+"""`CriticWorker`: what a PPO trainer needs around a critic — the value model built from the config, the
+optimizer, the LR schedule, checkpoints and HF export. `MegatronCriticWorker` does the same on megatron-core
+(TP × PP × DP); `make_critic_worker` picks one from `strategy`.
 
 The worker takes *global* batch sizes (verl's trainer convention) and hands the critic per-rank sizes.
 """
@@ -19,10 +20,10 @@ from torch import Tensor, nn
 from ppo_critic.batch import Batch
 from ppo_critic.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from ppo_critic.config import CriticConfig, ModelConfig, OptimConfig, per_rank
-from ppo_critic.critics import DataParallelPPOCritic
+from ppo_critic.critics import DataParallelPPOCritic, MegatronPPOCritic
 from ppo_critic.models.hf import build_value_model
 from ppo_critic.parallel.fsdp import parallelize
-from ppo_critic.parallel.mesh import init_distributed, parallel_groups, resolve_device
+from ppo_critic.parallel.mesh import Groups, init_distributed, parallel_groups, resolve_device
 
 
 class CriticWorker:
@@ -50,9 +51,7 @@ class CriticWorker:
         if self.config.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = parallelize(model, self.config.strategy, self.device)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
-        )
+        self.optimizer = _torch_optimizer(self.model.parameters(), optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.critic = DataParallelPPOCritic(per_rank_config(self.config, self.dp_size), self.model, self.optimizer)
         self.step = 0
@@ -120,6 +119,89 @@ class CriticWorker:
         return export_hf(self.model, out_dir)
 
 
+class MegatronCriticWorker(CriticWorker):
+    """`CriticWorker` on megatron-core: the HF value model is built (same seed on every rank), converted to this
+    rank's TP × PP slice, wrapped in megatron DDP with the (distributed) optimizer, and run by `MegatronPPOCritic`.
+    Checkpoints are not supported yet: export to HF and start from that with `critic.model.path`."""
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        total_steps: int | None = None,
+        device: str = "auto",
+        seed: int = 0,
+        dist_timeout_s: float = 600.0,
+    ):
+        from megatron.core import parallel_state as ps
+
+        from ppo_critic.critics.base import compute_dtype
+        from ppo_critic.models.megatron import Shapes, build_megatron_value_model, check_supported, transformer_config
+        from ppo_critic.parallel import megatron as mp
+
+        self.config = CriticConfig.from_any(config)
+        if self.config.strategy != "megatron":
+            raise ValueError(f"MegatronCriticWorker needs strategy=megatron, got {self.config.strategy!r}")
+        self.device = resolve_device(device)
+        mcfg, optim = self.config.megatron, self.config.optim
+        torch.manual_seed(seed)
+        hf_model = model_from_config(self.config.model)  # same seed: same weights on every rank
+        check_supported(
+            hf_model.config,
+            mcfg.tensor_model_parallel_size,
+            mcfg.pipeline_model_parallel_size,
+            mcfg.virtual_pipeline_model_parallel_size,
+        )
+        mp.initialize(mcfg, dist_timeout_s)
+        self.groups = Groups(
+            dp_group=ps.get_data_parallel_group(),
+            dp_size=ps.get_data_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(),
+        )
+        self.dp_group, self.dp_size = self.groups.dp_group, self.groups.dp_size
+        self.rank = torch.distributed.get_rank()
+        self.hf_config, self.shapes = hf_model.config, Shapes.of(hf_model.config)
+        dtype = compute_dtype(self.config, self.device)
+        tf_config = transformer_config(self.hf_config, mcfg, dtype, use_cpu_initialization=self.device.type == "cpu")
+        chunks = build_megatron_value_model(self.hf_config, tf_config)
+        mp.load_hf_weights(chunks, hf_model.state_dict(), self.shapes)
+        del hf_model
+        self.model = mp.wrap_ddp(chunks, mcfg.use_distributed_optimizer)
+        self.optimizer = mp.build_optimizer(self.model, optim, self.config.grad_clip, mcfg.use_distributed_optimizer)
+        factor = lr_schedule(optim, optim.total_training_steps if optim.total_training_steps > 0 else total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.optimizer, factor)
+        self.critic = MegatronPPOCritic(
+            per_rank_config(self.config, self.dp_size), critic_module=self.model, critic_optimizer=self.optimizer
+        )
+        self.step = 0
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """The critic's weights under HF value-model names (CPU, on every rank)."""
+        from ppo_critic.parallel.megatron import gather_hf_weights
+
+        return gather_hf_weights(self.model, self.shapes)
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        state = self.hf_state_dict()
+        with torch.device("meta"):
+            skeleton = model_from_config(ModelConfig(override_config=self.hf_config.to_dict()))
+        return export_hf(skeleton, out_dir, state_dict=state)
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Path:
+        raise ValueError(
+            "checkpoints are not supported with strategy=megatron yet; set trainer.save_every=0 and use "
+            "`export` (HF weights) to keep a trained critic"
+        )
+
+    load_checkpoint = save_checkpoint
+
+
+def make_critic_worker(config: Any, **kwargs: Any) -> CriticWorker:
+    """`MegatronCriticWorker` for `strategy: megatron`, else `CriticWorker`."""
+    config = CriticConfig.from_any(config)
+    return (MegatronCriticWorker if config.strategy == "megatron" else CriticWorker)(config, **kwargs)
+
+
 def model_from_config(model: ModelConfig) -> nn.Module:
     """The value model named by `model.path` (+ `override_config`), or built from `override_config` alone."""
     if model.external_lib:
@@ -161,6 +243,12 @@ def per_rank_config(config: CriticConfig, dp_size: int) -> CriticConfig:
     cfg.ppo_micro_batch_size = cfg.forward_micro_batch_size = None
     cfg.validate()
     return cfg
+
+
+def _torch_optimizer(params: Any, optim: OptimConfig) -> torch.optim.Optimizer:
+    if optim.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=optim.lr, weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
 
 
 def lr_schedule(optim: OptimConfig, total_steps: int | None) -> Callable[[int], float]:

@@ -1,13 +1,17 @@
-"""What every critic backend shares: input checks, loss denominators, metric accumulation and naming."""
+"""What every critic backend shares: the `compute_values` / `update_critic` loops of DESIGN §3, input checks,
+loss denominators, micro-batch agreement over data-parallel ranks, metric accumulation and naming."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ppo_critic.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
+from ppo_critic.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_indices
 from ppo_critic.config import CriticConfig
 
 UPDATE_KEYS = (*MODEL_KEYS, "response_mask", *TARGET_KEYS, MULTI_MODAL)
@@ -94,3 +98,104 @@ class UpdateMetrics:
         slowest = float(reduce(torch.tensor(elapsed_s, device=values.device), "max"))
         metrics["perf/tokens_per_s"] = seen / max(slowest, 1e-9)
         return metrics
+
+
+class PPOCriticBase:
+    """The backend-independent critic: epochs → mini-batches → micro-batches → one step (DESIGN §3).
+
+    A backend sets `config`, `device`, `dp_group`, `dp_size` and `sp_size`, and implements `_values` (the
+    forward of all micro-batches), `_optimizer_step`, `_set_training` and `_lr`.
+    """
+
+    config: CriticConfig
+    device: torch.device
+    dp_group: Any = None
+    dp_size: int = 1
+    sp_size: int = 1
+    micro_batch_multiple: int = 1  # the micro-batch count is rounded up to a multiple of this (megatron VPP)
+
+    @torch.no_grad()
+    def compute_values(self, data: Any) -> Tensor:
+        """Values [B, R] (float32, CPU) of each response token; exactly 0 at masked positions.
+
+        verl's `meta_info` keys `micro_batch_size`, `use_dynamic_bsz` and `max_token_len` override the
+        forward settings of the config for this call.
+        """
+        batch = Batch.from_any(data)
+        batch.validate()
+        self._check_batch(batch)
+        meta = batch.meta_info
+        use_dynamic = bool(meta.get("use_dynamic_bsz", self.config.use_dynamic_bsz))
+        micro_batch_size = int(meta.get("micro_batch_size", self.config.micro_batch_sizes(self.dp_size)[1]))
+        max_token_len = int(meta.get("max_token_len", self.config.forward_max_token_len)) * self.sp_size
+        batch = batch.select((*MODEL_KEYS, "response_mask", MULTI_MODAL)).to(self.device, non_blocking=True)
+        groups = self._micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
+        self._set_training(False)
+        values = self._values(batch, groups)
+        return torch.where(batch.response_mask.bool(), values, 0.0).float().cpu()
+
+    def update_critic(self, data: Any) -> dict[str, float]:
+        """PPO epochs × mini-batches of the clipped value loss; one optimizer step per mini-batch.
+
+        All checks run before the first step, so a bad batch changes neither parameters nor optimizer state.
+        """
+        cfg = self.config
+        batch = Batch.from_any(data)
+        batch.validate(require_targets=True)
+        self._check_batch(batch)
+        mini_batch_indices(len(batch), cfg.ppo_mini_batch_size)  # raises if B is not a multiple
+        max_token_len = cfg.ppo_max_token_len_per_gpu * self.sp_size
+        if cfg.use_dynamic_bsz:
+            check_token_budget(batch["attention_mask"].sum(-1), max_token_len)
+        batch = batch.select(UPDATE_KEYS).to(self.device, non_blocking=True)
+        metrics = UpdateMetrics(self.device)
+        self._set_training(True)
+        start = time.perf_counter()
+        for epoch in range(cfg.ppo_epochs):
+            for rows in mini_batch_indices(
+                len(batch), cfg.ppo_mini_batch_size, shuffle=cfg.shuffle, seed=cfg.data_loader_seed, epoch=epoch
+            ):
+                self._optimizer_step(batch.index(rows), metrics, max_token_len)
+        return self._metrics(metrics, batch, time.perf_counter() - start)
+
+    def _metrics(self, metrics: UpdateMetrics, batch: Batch, elapsed_s: float) -> dict[str, float]:
+        return metrics.result(batch, self._lr(), elapsed_s, self.config.ppo_epochs, self._all_reduce)
+
+    def _check_batch(self, batch: Batch) -> None:
+        """Backend-specific input checks (after `Batch.validate`, before any state changes)."""
+
+    def _values(self, batch: Batch, groups: list[list[int]]) -> Tensor:
+        raise NotImplementedError
+
+    def _optimizer_step(self, mini_batch: Batch, metrics: UpdateMetrics, max_token_len: int) -> None:
+        raise NotImplementedError
+
+    def _set_training(self, mode: bool) -> None:
+        raise NotImplementedError
+
+    def _lr(self) -> float:
+        raise NotImplementedError
+
+    def _loss_denominators(self, mini_batch: Batch) -> dict[str, Tensor]:
+        """The global denominators of DESIGN §3: this mini-batch's counts summed over the DP ranks."""
+        return {k: self._all_reduce(v) for k, v in local_loss_denominators(mini_batch.response_mask).items()}
+
+    def _all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
+        """`op` (sum, max or min) of `x` over the data-parallel ranks; `x` itself in a single process."""
+        if self.dp_size == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.clone()
+        dist.all_reduce(x, op=getattr(dist.ReduceOp, op.upper()), group=self.dp_group)
+        return x
+
+    def _micro_batches(self, batch: Batch, dynamic: bool, size: int, max_token_len: int) -> list[list[int]]:
+        """Row groups of the micro-batches; every DP rank gets the same number (empty groups pad the count)."""
+        lens = batch["attention_mask"].sum(-1)
+        groups = dynamic_micro_batches(lens, max_token_len) if dynamic else fixed_micro_batches(len(batch), size)
+        count = int(self._all_reduce(torch.tensor(len(groups), device=self.device), op="max"))
+        count = -(-count // self.micro_batch_multiple) * self.micro_batch_multiple
+        if count > len(groups) and dynamic:
+            groups = dynamic_micro_batches(lens, max_token_len, min_num_micro_batches=count)
+        return groups + [[] for _ in range(count - len(groups))]

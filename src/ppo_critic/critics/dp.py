@@ -7,7 +7,6 @@ mini-batch. How a micro-batch is run (padded today; packed, sharded later) lives
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any
 
 import torch
@@ -15,16 +14,10 @@ from torch import Tensor, nn
 
 from ppo_critic.algos import compute_value_loss
 from ppo_critic.attention import use_packed_attention
-from ppo_critic.batch import MODEL_KEYS, MULTI_MODAL, Batch
-from ppo_critic.batching import (
-    check_token_budget,
-    dynamic_micro_batches,
-    fixed_micro_batches,
-    mini_batch_indices,
-    restore_order,
-)
+from ppo_critic.batch import MULTI_MODAL, Batch
+from ppo_critic.batching import restore_order
 from ppo_critic.config import CriticConfig
-from ppo_critic.critics.base import UPDATE_KEYS, UpdateMetrics, compute_dtype, local_loss_denominators
+from ppo_critic.critics.base import PPOCriticBase, UpdateMetrics, compute_dtype
 from ppo_critic.models.hf import token_values
 from ppo_critic.packing import pack
 from ppo_critic.parallel.fsdp import average_plain_gradients, clip_grad_norm
@@ -32,7 +25,7 @@ from ppo_critic.parallel.mesh import parallel_groups
 from ppo_critic.parallel.ulysses import check_heads_of, gather_sequence, sequence_parallel
 
 
-class DataParallelPPOCritic:
+class DataParallelPPOCritic(PPOCriticBase):
     """PPO value-model trainer: `compute_values(batch)` and `update_critic(batch)` (DESIGN §2–3)."""
 
     def __init__(self, config: Any, critic_module: nn.Module, critic_optimizer: torch.optim.Optimizer):
@@ -50,55 +43,21 @@ class DataParallelPPOCritic:
         if self.sp_size > 1:
             check_heads_of(critic_module, self.sp_size)
 
-    @torch.no_grad()
-    def compute_values(self, data: Any) -> Tensor:
-        """Values [B, R] (float32, CPU) of each response token; exactly 0 at masked positions.
-
-        verl's `meta_info` keys `micro_batch_size`, `use_dynamic_bsz` and `max_token_len` override the
-        forward settings of the config for this call.
-        """
-        batch = Batch.from_any(data)
-        batch.validate()
-        meta = batch.meta_info
-        use_dynamic = bool(meta.get("use_dynamic_bsz", self.config.use_dynamic_bsz))
-        micro_batch_size = int(meta.get("micro_batch_size", self.config.micro_batch_sizes(self.dp_size)[1]))
-        max_token_len = int(meta.get("max_token_len", self.config.forward_max_token_len)) * self.sp_size
-        batch = batch.select((*MODEL_KEYS, "response_mask", MULTI_MODAL)).to(self.device, non_blocking=True)
-        groups = self._micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
-        self.critic_module.eval()
+    def _values(self, batch: Batch, groups: list[list[int]]) -> Tensor:
         outputs = [self._forward_micro_batch(batch.index(g or [0])) for g in groups]  # [] keeps ranks in step
         kept = [(o, g) for o, g in zip(outputs, groups, strict=True) if g]
-        values = restore_order([o for o, _ in kept], [g for _, g in kept])
-        return torch.where(batch.response_mask.bool(), values, 0.0).float().cpu()
+        return restore_order([o for o, _ in kept], [g for _, g in kept])
 
-    def update_critic(self, data: Any) -> dict[str, float]:
-        """PPO epochs × mini-batches of the clipped value loss; one optimizer step per mini-batch.
+    def _set_training(self, mode: bool) -> None:
+        self.critic_module.train(mode)
 
-        All checks run before the first step, so a bad batch changes neither parameters nor optimizer state.
-        """
-        cfg = self.config
-        batch = Batch.from_any(data)
-        batch.validate(require_targets=True)
-        mini_batch_indices(len(batch), cfg.ppo_mini_batch_size)  # raises if B is not a multiple
-        max_token_len = cfg.ppo_max_token_len_per_gpu * self.sp_size
-        if cfg.use_dynamic_bsz:
-            check_token_budget(batch["attention_mask"].sum(-1), max_token_len)
-        batch = batch.select(UPDATE_KEYS).to(self.device, non_blocking=True)
-        metrics = UpdateMetrics(self.device)
-        self.critic_module.train()
-        start = time.perf_counter()
-        for epoch in range(cfg.ppo_epochs):
-            for rows in mini_batch_indices(
-                len(batch), cfg.ppo_mini_batch_size, shuffle=cfg.shuffle, seed=cfg.data_loader_seed, epoch=epoch
-            ):
-                self._optimizer_step(batch.index(rows), metrics, max_token_len)
-        lr = self.critic_optimizer.param_groups[0]["lr"]
-        return metrics.result(batch, lr, time.perf_counter() - start, cfg.ppo_epochs, self._all_reduce)
+    def _lr(self) -> float:
+        return self.critic_optimizer.param_groups[0]["lr"]
 
     def _optimizer_step(self, mini_batch: Batch, metrics: UpdateMetrics, max_token_len: int) -> None:
         """Accumulate the gradient of one mini-batch over its micro-batches, clip, and step (or skip)."""
         cfg = self.config
-        norm = {k: self._all_reduce(v) for k, v in local_loss_denominators(mini_batch.response_mask).items()}
+        norm = self._loss_denominators(mini_batch)
         # gradients are averaged over all dp × sp ranks; each sp rank holds part of the same loss
         norm |= {"dp_size": self.groups.world_size, "loss_scale_factor": cfg.loss_scale_factor}
         self.critic_optimizer.zero_grad(set_to_none=True)
@@ -120,25 +79,6 @@ class DataParallelPPOCritic:
             self.critic_optimizer.step()
         self.critic_optimizer.zero_grad(set_to_none=True)
         metrics.add_step(step_loss / self.groups.world_size, grad_norm)
-
-    def _all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
-        """`op` (sum, max or min) of `x` over the data-parallel ranks; `x` itself in a single process."""
-        if self.dp_size == 1:
-            return x
-        import torch.distributed as dist
-
-        x = x.clone()
-        dist.all_reduce(x, op=getattr(dist.ReduceOp, op.upper()), group=self.dp_group)
-        return x
-
-    def _micro_batches(self, batch: Batch, dynamic: bool, size: int, max_token_len: int) -> list[list[int]]:
-        """Row groups of the micro-batches; every DP rank gets the same number (empty groups pad the count)."""
-        lens = batch["attention_mask"].sum(-1)
-        groups = dynamic_micro_batches(lens, max_token_len) if dynamic else fixed_micro_batches(len(batch), size)
-        count = int(self._all_reduce(torch.tensor(len(groups), device=self.device), op="max"))
-        if count > len(groups) and dynamic:
-            groups = dynamic_micro_batches(lens, max_token_len, min_num_micro_batches=count)
-        return groups + [[] for _ in range(count - len(groups))]
 
     def _forward_micro_batch(self, micro: Batch) -> Tensor:
         """Values [b, R] in float32: the model output at the position before each response token."""

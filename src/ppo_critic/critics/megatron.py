@@ -1,0 +1,199 @@
+"""`MegatronPPOCritic`: the same critic (DESIGN §3) on megatron-core model chunks — TP, PP, VPP and DP.
+
+Micro-batches run through megatron's `get_forward_backward_func` (any pipeline schedule). The loss is normalised
+by the critic itself: the transformer config must have `calculate_per_token_loss=True`, so megatron neither
+divides by the micro-batch count nor averages over DP, and each rank backpropagates its numerator over the
+global denominator — the data-parallel critic's gradient, exactly. Values come from the last pipeline stage
+and are broadcast over the pipeline group.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ppo_critic.algos import compute_value_loss
+from ppo_critic.batch import MULTI_MODAL, Batch
+from ppo_critic.batching import restore_order
+from ppo_critic.config import CriticConfig
+from ppo_critic.critics.base import PPOCriticBase, UpdateMetrics
+from ppo_critic.packing import compact
+
+# (micro-batch, whether it holds real rows, its values [b, R]) -> (loss to backpropagate, extra outputs)
+MicroBatchFn = Callable[[Batch, bool, Tensor], Tensor]
+
+
+class MegatronPPOCritic(PPOCriticBase):
+    """PPO value-model trainer over megatron model chunks, with verl's constructor and DESIGN §2's calls.
+
+    `critic_module`: this rank's model chunks (a list, or an `nn.ModuleList`, one per virtual pipeline stage),
+    wrapped in megatron DDP; `critic_optimizer`: a megatron optimizer over them (e.g. the distributed
+    optimizer). `model_config`, `hf_config` and `critic_optimizer_config` are accepted for verl compatibility.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        model_config: Any = None,
+        hf_config: Any = None,
+        tf_config: Any = None,
+        critic_module: nn.Module | list[nn.Module] | None = None,
+        critic_optimizer: Any = None,
+        critic_optimizer_config: Any = None,
+    ):
+        from megatron.core import parallel_state as ps
+        from megatron.core.utils import get_model_config
+
+        self.config = CriticConfig.from_any(config)
+        if critic_module is None or critic_optimizer is None:
+            raise TypeError(
+                "MegatronPPOCritic needs critic_module (this rank's model chunks) and critic_optimizer; "
+                "ppo_critic.worker.MegatronCriticWorker builds both from a config"
+            )
+        if self.config.ulysses_sequence_parallel_size != 1:
+            raise ValueError("ulysses_sequence_parallel_size must be 1 for MegatronPPOCritic; use megatron TP")
+        chunks = list(critic_module) if isinstance(critic_module, list | tuple | nn.ModuleList) else [critic_module]
+        self.critic_module = chunks
+        self.critic_optimizer = critic_optimizer
+        self.tf_config = tf_config or get_model_config(chunks[0])
+        if not self.tf_config.calculate_per_token_loss:
+            raise ValueError(
+                "the megatron TransformerConfig must have calculate_per_token_loss=True: the critic normalises the "
+                "loss over the whole mini-batch itself (ppo_critic.models.megatron.transformer_config sets it)"
+            )
+        self.tf_config.finalize_model_grads_func = _finalize_model_grads
+        self.tf_config.grad_scale_func = critic_optimizer.scale_loss
+        self.device = next(chunks[0].parameters()).device
+        self.dp_group, self.dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
+        self.pp_group, self.pp_size = (
+            ps.get_pipeline_model_parallel_group(),
+            ps.get_pipeline_model_parallel_world_size(),
+        )
+        self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.micro_batch_multiple = self.pp_size if len(chunks) > 1 else 1  # the interleaved schedule needs it
+
+    def _check_batch(self, batch: Batch) -> None:
+        positions, mask = batch["position_ids"], batch["attention_mask"].bool()
+        if positions.dim() != 2 or MULTI_MODAL in batch.non_tensors:
+            raise ValueError(
+                "MegatronPPOCritic runs text-only models: position_ids must be [B, T] and multi_modal_inputs "
+                "absent; use DataParallelPPOCritic for multimodal (mrope) critics"
+            )
+        # megatron's rotary embedding numbers the tokens of each (compacted) row 0, 1, 2, ...
+        if ((positions != mask.long().cumsum(-1) - 1) & mask).any():
+            raise ValueError(
+                "position_ids must count the valid tokens of each row from 0 (attention_mask.cumsum(-1) - 1) for "
+                "MegatronPPOCritic: megatron's rotary embedding numbers tokens by their place in the sequence"
+            )
+
+    def _values(self, batch: Batch, groups: list[list[int]]) -> Tensor:
+        outputs = self._run(batch, groups, forward_only=True, fn=lambda micro, keep, values: values.sum() * 0)
+        values = torch.empty(len(batch), batch.response_length, device=self.device)
+        if self.is_last_stage:
+            kept = [(o["values"], g) for o, g in zip(outputs, groups, strict=True) if g]
+            values = restore_order([o for o, _ in kept], [g for _, g in kept])
+        if self.pp_size > 1:
+            torch.distributed.broadcast(values, self.last_stage_rank, group=self.pp_group)
+        self._release_cache()
+        return values
+
+    def _optimizer_step(self, mini_batch: Batch, metrics: UpdateMetrics, max_token_len: int) -> None:
+        """Accumulate one mini-batch over its micro-batches through the pipeline schedule, clip, step or skip."""
+        cfg = self.config
+        # megatron sums gradients over DP (calculate_per_token_loss), so each rank's share is numerator / global
+        norm = self._loss_denominators(mini_batch) | {"dp_size": 1, "loss_scale_factor": cfg.loss_scale_factor}
+        for chunk in self.critic_module:
+            chunk.zero_grad_buffer()
+        self.critic_optimizer.zero_grad()
+        groups = self._micro_batches(
+            mini_batch, cfg.use_dynamic_bsz, cfg.micro_batch_sizes(self.dp_size)[0], max_token_len
+        )
+
+        def loss_fn(micro: Batch, keep: bool, vpreds: Tensor) -> Tensor:
+            mask = micro.response_mask if keep else torch.zeros_like(micro.response_mask)
+            loss, clipfrac = compute_value_loss(
+                vpreds, micro["returns"], micro["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **norm
+            )
+            metrics.add_micro_batch(vpreds, clipfrac, mask)
+            return loss
+
+        outputs = self._run(mini_batch, groups, forward_only=False, fn=loss_fn)
+        step_loss = torch.stack([o["loss"] for o in outputs]).sum() if outputs else torch.zeros((), device=self.device)
+        metrics.add_step(step_loss, self._clip_and_step())
+
+    def _clip_and_step(self) -> Tensor:
+        """Global gradient norm (over DP, TP and PP); the step is taken only when it is finite."""
+        optimizer = self.critic_optimizer
+        found_inf = optimizer.prepare_grads()  # main (fp32) grads from the DDP buffers; fp16 overflow check
+        clip = self.config.grad_clip
+        norm = optimizer.clip_grad_norm(clip) if clip else optimizer.get_grad_norm()
+        norm = torch.tensor(float("inf") if found_inf else float(norm), dtype=torch.float64, device=self.device)
+        if torch.isfinite(norm):
+            optimizer.step_with_ready_grads()
+        optimizer.zero_grad()
+        return norm
+
+    def _run(
+        self, batch: Batch, groups: list[list[int]], forward_only: bool, fn: MicroBatchFn
+    ) -> list[dict[str, Tensor]]:
+        """Every micro-batch through the pipeline schedule; on the last stage, `fn`'s loss is backpropagated and
+        each micro-batch's `values` [b, R] and `loss` are returned (in `groups` order). Other stages return []."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micros = [(batch.index(g or [0]), bool(g)) for g in groups]  # an empty group runs with zero weight
+        r = batch.response_length
+
+        def loss_func(micro: Batch, keep: bool, expand: Callable, output: Tensor):
+            values = expand(output.squeeze(-1))[:, -r - 1 : -1].float()
+            loss = fn(micro, keep, values)
+            return loss, torch.ones((), dtype=torch.int, device=self.device), {"values": values.detach(), "loss": loss}
+
+        def forward_step(data_iterator, model):
+            micro, keep = next(data_iterator)
+            c = compact(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
+            output = model(input_ids=c.input_ids, position_ids=c.position_ids, attention_mask=None)
+            return output, functools.partial(loss_func, micro, keep, c.expand)
+
+        longest = max(int(m["attention_mask"].sum(-1).max()) for m, _ in micros)
+        stored = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(micros) for _ in self.critic_module],
+            model=self.critic_module,
+            num_microbatches=len(micros),
+            seq_length=longest,
+            micro_batch_size=max(len(m) for m, _ in micros),
+            forward_only=forward_only,
+        )
+        return stored if self.is_last_stage else []
+
+    def _metrics(self, metrics: UpdateMetrics, batch: Batch, elapsed_s: float) -> dict[str, float]:
+        """Loss statistics exist on the last pipeline stage; every stage returns its metrics."""
+        result = [super()._metrics(metrics, batch, elapsed_s)]
+        if self.pp_size > 1:
+            torch.distributed.broadcast_object_list(result, self.last_stage_rank, group=self.pp_group)
+        self._release_cache()
+        return result[0]
+
+    def _set_training(self, mode: bool) -> None:
+        for chunk in self.critic_module:
+            chunk.train(mode)
+
+    def _lr(self) -> float:
+        return self.critic_optimizer.param_groups[0]["lr"]
+
+    def _release_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _finalize_model_grads(model: list[nn.Module], num_tokens: Tensor | None = None, **kwargs: Any) -> None:
+    """Megatron's gradient finalisation (DP reduction, shared-weight sync) without its 1/num_tokens scaling:
+    the critic's loss is already divided by the global denominator."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, **kwargs)
