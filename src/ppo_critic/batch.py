@@ -21,7 +21,7 @@ _LAYOUT = (
     "a rollout batch needs input_ids [B, T] (integer), attention_mask [B, T], position_ids [B, T] or "
     "[B, 3, T], responses [B, R]; update_critic also needs values and returns [B, R]"
 )
-_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_ID_DTYPES = (torch.int64, torch.int32)  # what an embedding lookup accepts
 
 
 @dataclass
@@ -99,10 +99,16 @@ class Batch:
         if missing:
             raise ValueError(f"batch is missing key(s) {missing}; {_LAYOUT}")
         ids = self.tensors["input_ids"]
-        if ids.dtype not in _INTEGER_DTYPES:
-            raise TypeError(f"batch['input_ids'] must be an integer tensor (torch.long), got {ids.dtype}")
+        if ids.dtype not in _ID_DTYPES:
+            raise TypeError(f"batch['input_ids'] must be a torch.long (or torch.int32) tensor, got {ids.dtype}")
         if ids.dim() != 2:
             raise ValueError(f"batch['input_ids'] must be [B, T], got shape {tuple(ids.shape)}")
+        if (ids < 0).any():
+            row, col = (int(i) for i in (ids < 0).nonzero()[0])
+            raise ValueError(
+                f"batch['input_ids'] holds {int((ids < 0).sum())} negative token id(s) (first at sample {row}, "
+                f"position {col}: {int(ids[row, col])}); token ids (padding included) must be in [0, vocab_size)"
+            )
         b, t = ids.shape
         self._check_shape("attention_mask", [(b, t)])
         self._check_shape("position_ids", [(b, t), (b, 3, t)])
@@ -127,6 +133,10 @@ class Batch:
         if require_targets:
             for key in TARGET_KEYS:
                 self._check_finite(key)
+                if self.tensors[key].requires_grad:
+                    raise ValueError(
+                        f"batch[{key!r}] requires grad (it is attached to an autograd graph); pass {key}.detach()"
+                    )
 
     def _check_shape(self, key: str, allowed: list[tuple[int, ...]]) -> None:
         shape = tuple(self.tensors[key].shape)
@@ -141,11 +151,21 @@ class Batch:
         mask = self.response_mask
         if not ((mask == 0) | (mask == 1)).all():
             raise ValueError("batch['response_mask'] must hold only 0 and 1")
-        outside = (mask.bool() & ~attention[:, -self.response_length :].bool().to(mask.device)).sum().item()
+        r = self.response_length
+        outside = (mask.bool() & ~attention[:, -r:].bool().to(mask.device)).sum().item()
         if outside:
             raise ValueError(
                 f"batch['response_mask'] marks {outside} token(s) as valid where attention_mask marks padding; "
                 "a response token must be attended to"
+            )
+        t = attention.shape[1]
+        unread = mask.bool() & ~attention[:, t - r - 1 : t - 1].bool().to(mask.device)
+        if unread.any():
+            row, col = (int(i) for i in unread.nonzero()[0])
+            raise ValueError(
+                f"batch['attention_mask'] is 0 at position {t - r - 1 + col} of sample {row}, just before its valid "
+                f"response token {col}; a value is read at the position before each response token, so that position "
+                "must be attended to (every sample needs a non-empty prompt)"
             )
 
     def _check_finite(self, key: str) -> None:

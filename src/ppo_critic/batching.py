@@ -14,6 +14,7 @@ def mini_batch_indices(
     batch_size: int, mini_batch_size: int, *, shuffle: bool = False, seed: int | None = None, epoch: int = 0
 ) -> list[Tensor]:
     """Row indices of each mini-batch: in order, or a permutation seeded by `seed + epoch` (same on all ranks)."""
+    _check_positive("ppo_mini_batch_size", mini_batch_size)
     if batch_size % mini_batch_size:
         raise ValueError(
             f"batch size {batch_size} is not divisible by ppo_mini_batch_size={mini_batch_size}; every "
@@ -30,6 +31,11 @@ def mini_batch_indices(
 
 def fixed_micro_batches(batch_size: int, micro_batch_size: int) -> list[list[int]]:
     """Consecutive groups of `micro_batch_size` rows (the last may be shorter)."""
+    _check_positive(
+        "the micro-batch size (ppo_micro_batch_size_per_gpu, forward_micro_batch_size_per_gpu or "
+        "meta_info['micro_batch_size'])",
+        micro_batch_size,
+    )
     return [list(range(i, min(i + micro_batch_size, batch_size))) for i in range(0, batch_size, micro_batch_size)]
 
 
@@ -62,6 +68,13 @@ def balanced_partitions(weights: Sequence[int], k: int) -> list[list[int]]:
 def check_token_budget(seq_lens: Sequence[int] | Tensor, max_token_len: int) -> None:
     """Raise if one sequence alone exceeds the dynamic micro-batch budget (no split could fit it)."""
     lens = seq_lens.tolist() if isinstance(seq_lens, Tensor) else seq_lens
+    if any(n < 0 for n in lens):
+        raise ValueError(f"sequence lengths must be >= 0, got {min(lens)}")
+    _check_positive(
+        "the dynamic micro-batch budget (ppo_max_token_len_per_gpu, or forward_max_token_len_per_gpu / "
+        "meta_info['max_token_len'] for compute_values)",
+        max_token_len,
+    )
     longest = int(max(lens, default=0))
     if longest > max_token_len:
         raise ValueError(
@@ -88,6 +101,11 @@ def dynamic_micro_batches(
             nonempty = sorted((g for g in groups if g), key=lambda g: g[0])
             return nonempty + [g for g in groups if not g]
         k += 1
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def restore_order(outputs: Sequence[Tensor], groups: Sequence[Sequence[int]]) -> Tensor:

@@ -1,16 +1,21 @@
 """Checkpoints with `torch.distributed.checkpoint` (DCP), written atomically; HF export.
 
 A checkpoint is written to a hidden temporary directory and renamed to `step_XXXXXXXX` only when complete, then
-the `latest` marker is replaced. A crash at any point leaves the previous checkpoints usable, and
-`latest_checkpoint` never returns a half-written one. Nothing is unpickled on load: tensors come from DCP,
-everything else from JSON.
+the `latest` marker is replaced; old checkpoints are renamed away before they are deleted. A crash at any point
+leaves the previous checkpoints usable, and `latest_checkpoint` never returns a half-written or half-deleted one.
+
+Loading executes no code from the files: DCP's `.metadata` pickle is read by an unpickler that only builds DCP's
+own metadata classes, the non-tensor entries (optimizer hyper-parameters) with `torch.load(weights_only=True)`,
+tensors by DCP with `weights_only=True`, and our own state from JSON.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 import uuid
@@ -22,11 +27,16 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
+METADATA = ".metadata"
+_TMP_PREFIX = ".tmp-step_"  # a checkpoint being written
+_DEL_PREFIX = ".del-step_"  # an old checkpoint being deleted
 
 
 def save_checkpoint(
@@ -43,29 +53,34 @@ def save_checkpoint(
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}"  # one name on every rank (DCP writes a shard per rank into it)
     if lead:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+        with _explained_os_error(f"cannot create the checkpoint directory {root}"):
+            root.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(root)  # temporary and half-deleted directories left by a crash
     _barrier()
     try:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        with _single_process_ok():
+        with _explained_os_error(f"writing checkpoint {final} failed"), _single_process_ok():
             dcp.save({"model": model_sd, "optim": optim_sd, "extra": tensors}, checkpoint_id=str(tmp))
-        if lead:
-            _write_text(tmp / STATE_FILE, json.dumps({"step": step, **state}, indent=1))
-            _fsync_dir(tmp)
-            if final.exists():  # the same step saved again after a resume: replace it whole
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            if lead:
+                _write_text(tmp / STATE_FILE, json.dumps({"step": step, **state}, indent=1))
+                _fsync_dir(tmp)
+                if final.exists():  # the same step saved again after a resume: replace it whole
+                    _delete_step(final)
+                os.rename(tmp, final)
     except BaseException:
         if lead:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if lead:
-        _fsync_dir(root)
-        _write_text(root / LATEST, final.name + "\n")
+        with _explained_os_error(f"checkpoint {final} is complete, but updating {root / LATEST} failed"):
+            _fsync_dir(root)
+            _write_text(root / LATEST, final.name + "\n")
         if keep_last_n:
             for old in _complete_steps(root)[:-keep_last_n]:
-                shutil.rmtree(old, ignore_errors=True)
+                try:
+                    _delete_step(old)
+                except OSError as err:  # the new checkpoint is saved; an old one that stays is no reason to stop
+                    warnings.warn(f"could not delete old checkpoint {old}: {err}", stacklevel=2)
     _barrier()
     return final
 
@@ -81,14 +96,95 @@ def load_checkpoint(
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Restore model and optimizer in place; return the saved `tensors` (shaped like the templates) and state."""
     path = Path(path)
-    if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (missing .metadata or {STATE_FILE})")
+    if not (path / METADATA).is_file() or not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (missing {METADATA} or {STATE_FILE})")
+    check_metadata(path / METADATA)
+    state = json.loads((path / STATE_FILE).read_text())
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state_dict = {"model": model_sd, "optim": optim_sd, "extra": dict(tensors)}
-    with _single_process_ok():
-        dcp.load(state_dict, checkpoint_id=str(path))
+    try:
+        with _single_process_ok():
+            dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=_WeightsOnlyLoadPlanner())
+    except CheckpointException as err:
+        causes = "; ".join(f"{type(e).__name__}: {e}" for e in _causes(err)) or str(err)
+        raise ValueError(
+            f"cannot load checkpoint {path} into this model and optimizer ({causes}); was it written with another "
+            "critic.model or critic.optim config?"
+        ) from err
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
-    return state_dict["extra"], json.loads((path / STATE_FILE).read_text())
+    return state_dict["extra"], state
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading without executing code from the files
+
+# What DCP pickles into `.metadata` (torch 2.6 - 2.13): its metadata dataclasses, sizes, dtypes, layouts, paths.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = {
+    *(
+        (_DCP_METADATA, name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    *((module, cls) for module in ("pathlib", "pathlib._local") for cls in ("PosixPath", "WindowsPath", "Path")),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only the classes DCP metadata is made of; any other global (a callable that would run) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
+
+
+def check_metadata(path: str | os.PathLike) -> None:
+    """Parse a DCP `.metadata` file with the restricted unpickler; raise ValueError if it holds anything else.
+
+    DCP itself reads the file with a plain `pickle.load`, so it is checked first: a file that passes builds only
+    metadata objects, whoever unpickles it.
+    """
+    try:
+        with open(path, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"{path} is not plain DCP checkpoint metadata ({err}); refusing to load it (checkpoints are read "
+            "without executing code from them)"
+        ) from err
+
+
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner, but non-tensor entries are unpickled by `torch.load(weights_only=True)` (DCP: False)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)  # raises UnpicklingError for anything but plain data
+        plain = io.BytesIO()
+        torch.save(obj, plain)  # re-encoded from plain data only: DCP's own (unrestricted) load is now harmless
+        plain.seek(0)
+        super().load_bytes(read_item, plain)
+
+
+def _causes(err: CheckpointException) -> list[BaseException]:
+    """The exceptions DCP collected from the ranks (each wrapped as `(exception, traceback)`)."""
+    failures = getattr(err, "failures", None) or {}
+    return [f[0] if isinstance(f, tuple) else f for f in failures.values() if isinstance(f, (tuple, BaseException))]
 
 
 def export_hf(model: nn.Module, out_dir: str | os.PathLike, state_dict: dict[str, Tensor] | None = None) -> Path:
@@ -163,11 +259,38 @@ def _single_process_ok() -> Iterator[None]:
 
 def _complete_steps(root: Path) -> list[Path]:
     found = [
-        p
-        for p in root.iterdir()
-        if STEP_DIR.match(p.name) and (p / ".metadata").is_file() and (p / STATE_FILE).is_file()
+        p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / METADATA).is_file() and (p / STATE_FILE).is_file()
     ]
     return sorted(found, key=lambda p: p.name)
+
+
+def _delete_step(path: Path) -> None:
+    """Remove a checkpoint directory: first renamed out of the `step_*` namespace (atomic), then deleted, so a crash
+    while deleting never leaves a damaged directory that looks like a checkpoint."""
+    doomed = path.with_name(f".del-{path.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Delete temporary (`.tmp-step_*`) and half-deleted (`.del-step_*`) directories: checkpoints are written one
+    at a time, so any that exist when a new one starts were left by a crash."""
+    for p in root.iterdir():
+        if p.name.startswith((_TMP_PREFIX, _DEL_PREFIX)) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _explained_os_error(what: str) -> Iterator[None]:
+    """Re-raise an OSError (disk full, read-only file system, permissions) with what was being written and the
+    reassurance that earlier checkpoints are untouched; errno and strerror are kept."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno is None:
+            raise
+        where = f" ({err.filename})" if err.filename else ""
+        raise OSError(err.errno, f"{what}: {err.strerror}{where}; the previous checkpoints are intact") from err
 
 
 def _write_text(path: Path, text: str) -> None:
