@@ -100,16 +100,19 @@ def load_checkpoint(
         raise FileNotFoundError(f"{path} is not a complete checkpoint (missing {METADATA} or {STATE_FILE})")
     check_metadata(path / METADATA)
     state = json.loads((path / STATE_FILE).read_text())
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    fresh_optimizer = not optimizer.state
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # a fresh optimizer gets zero state (one lr=0 step)
     state_dict = {"model": model_sd, "optim": optim_sd, "extra": dict(tensors)}
     try:
         with _single_process_ok():
             dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=_WeightsOnlyLoadPlanner())
     except CheckpointException as err:
+        if fresh_optimizer:  # nothing was loaded into it: make it fresh again
+            optimizer.state.clear()
         causes = "; ".join(f"{type(e).__name__}: {e}" for e in _causes(err)) or str(err)
         raise ValueError(
-            f"cannot load checkpoint {path} into this model and optimizer ({causes}); was it written with another "
-            "critic.model or critic.optim config?"
+            f"cannot load checkpoint {path} into this model and optimizer ({causes}); the checkpoint is damaged, or "
+            "was written with another critic.model / critic.optim config"
         ) from err
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
     return state_dict["extra"], state
