@@ -26,7 +26,7 @@ def mini_batch_indices(
         order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed + epoch))
     else:
         order = torch.arange(batch_size)
-    return list(order.split(mini_batch_size))
+    return list(order.split(mini_batch_size)) if batch_size else []  # split() of nothing gives one empty chunk
 
 
 def fixed_micro_batches(batch_size: int, micro_batch_size: int) -> list[list[int]]:
