@@ -35,6 +35,7 @@ class OptimConfig:
     optimizer: str = "adamw"
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
     weight_decay: float = 0.01
     lr_warmup_steps: int = -1
     lr_warmup_steps_ratio: float = 0.0
@@ -88,8 +89,10 @@ class MegatronConfig:
             ["virtual_pipeline_model_parallel_size"],
         )
         vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None and vpp > 1 and self.pipeline_model_parallel_size < 2:
-            errors.append(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2")
+        if vpp is not None and vpp > 1 and self.pipeline_model_parallel_size <= 2:
+            # at PP=2 a stage's previous and next stage are the same rank, and megatron's exchange of
+            # micro-batch shapes (needed for variable lengths) then pairs the two messages the wrong way round
+            errors.append(f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 2")
         if self.context_parallel_size != 1:
             errors.append("context_parallel_size must be 1 (context parallelism needs transformer-engine)")
         if self.sequence_parallel:
@@ -207,6 +210,10 @@ class CriticConfig:
             errors.append("ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true")
         if self.strategy == "megatron":
             errors += self.megatron.errors()
+            if self.optim.optimizer == "sgd" and self.megatron.use_distributed_optimizer:
+                errors.append(
+                    "optim.optimizer=sgd needs megatron.use_distributed_optimizer=false (megatron shards Adam only)"
+                )
             if self.ulysses_sequence_parallel_size != 1:
                 errors.append(
                     "ulysses_sequence_parallel_size must be 1 with strategy=megatron (use megatron's tensor parallel)"
@@ -239,6 +246,8 @@ class CriticConfig:
             errors.append(f"optim.lr={o.lr!r} must be a number >= 0")
         if len(tuple(o.betas)) != 2 or not all(0 <= b < 1 for b in o.betas):
             errors.append(f"optim.betas={o.betas!r} must be two numbers in [0, 1)")
+        if not (isinstance(o.eps, int | float) and o.eps > 0):
+            errors.append(f"optim.eps={o.eps!r} must be a positive number")
         if o.min_lr_ratio is not None and not 0 <= o.min_lr_ratio <= 1:
             errors.append(f"optim.min_lr_ratio={o.min_lr_ratio!r} must be in [0, 1]")
         return errors

@@ -248,7 +248,9 @@ def per_rank_config(config: CriticConfig, dp_size: int) -> CriticConfig:
 def _torch_optimizer(params: Any, optim: OptimConfig) -> torch.optim.Optimizer:
     if optim.optimizer == "sgd":
         return torch.optim.SGD(params, lr=optim.lr, weight_decay=optim.weight_decay)
-    return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(
+        params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
+    )
 
 
 def lr_schedule(optim: OptimConfig, total_steps: int | None) -> Callable[[int], float]:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ppo_critic.algos import compute_value_loss
@@ -21,7 +22,7 @@ from ppo_critic.batch import MULTI_MODAL, Batch
 from ppo_critic.batching import restore_order
 from ppo_critic.config import CriticConfig
 from ppo_critic.critics.base import PPOCriticBase, UpdateMetrics
-from ppo_critic.packing import compact
+from ppo_critic.packing import CompactBatch, compact
 
 # (micro-batch, whether it holds real rows, its values [b, R]) -> (loss to backpropagate, extra outputs)
 MicroBatchFn = Callable[[Batch, bool, Tensor], Tensor]
@@ -75,7 +76,11 @@ class MegatronPPOCritic(PPOCriticBase):
         )
         self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        self.micro_batch_multiple = self.pp_size if len(chunks) > 1 else 1  # the interleaved schedule needs it
+        # The interleaved (VPP) schedule needs a multiple of PP micro-batches, and one tensor shape for all of
+        # them: its exchange of per-micro-batch shapes deadlocks, so micro-batches are padded to a common shape.
+        self.interleaved = len(chunks) > 1
+        self.micro_batch_multiple = self.pp_size if self.interleaved else 1
+        self.tf_config.variable_seq_lengths = not self.interleaved
 
     def _check_batch(self, batch: Batch) -> None:
         positions, mask = batch["position_ids"], batch["attention_mask"].bool()
@@ -148,25 +153,31 @@ class MegatronPPOCritic(PPOCriticBase):
         micros = [(batch.index(g or [0]), bool(g)) for g in groups]  # an empty group runs with zero weight
         r = batch.response_length
 
-        def loss_func(micro: Batch, keep: bool, expand: Callable, output: Tensor):
-            values = expand(output.squeeze(-1))[:, -r - 1 : -1].float()
+        rows = max(len(m) for m, _ in micros)
+        longest = max(int(m["attention_mask"].sum(-1).max()) for m, _ in micros)
+
+        def loss_func(micro: Batch, keep: bool, c: CompactBatch, output: Tensor):
+            output = output[: len(micro), : c.input_ids.shape[1]]  # drop the padding to the common shape
+            values = c.expand(output.squeeze(-1))[:, -r - 1 : -1].float()
             loss = fn(micro, keep, values)
             return loss, torch.ones((), dtype=torch.int, device=self.device), {"values": values.detach(), "loss": loss}
 
         def forward_step(data_iterator, model):
             micro, keep = next(data_iterator)
             c = compact(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
-            output = model(input_ids=c.input_ids, position_ids=c.position_ids, attention_mask=None)
-            return output, functools.partial(loss_func, micro, keep, c.expand)
+            ids, positions = c.input_ids, c.position_ids
+            if self.interleaved:  # trailing padding: under causal attention it changes no earlier output
+                ids, positions = (F.pad(x, (0, longest - x.shape[1], 0, rows - x.shape[0])) for x in (ids, positions))
+            output = model(input_ids=ids, position_ids=positions, attention_mask=None)
+            return output, functools.partial(loss_func, micro, keep, c)
 
-        longest = max(int(m["attention_mask"].sum(-1).max()) for m, _ in micros)
         stored = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=[iter(micros) for _ in self.critic_module],
             model=self.critic_module,
             num_microbatches=len(micros),
             seq_length=longest,
-            micro_batch_size=max(len(m) for m, _ in micros),
+            micro_batch_size=rows,
             forward_only=forward_only,
         )
         return stored if self.is_last_stage else []

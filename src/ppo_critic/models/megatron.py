@@ -208,8 +208,26 @@ def build_megatron_value_model(hf_config: Any, tf_config: Any, head_bias: bool =
         if post:
             device = model.decoder.final_layernorm.weight.device
             model.output_layer = MegatronValueHead(s.hidden, 1, bias=head_bias, device=device, dtype=torch.float32)
+        mark_tensor_parallel(model)
         chunks.append(model)
     return chunks
+
+
+def mark_tensor_parallel(model: nn.Module) -> None:
+    """Tag the TP-sliced weights as megatron's initialisers would (`perform_initialization=False` skips them):
+    without the tag, gradient-norm clipping counts a slice only on TP rank 0."""
+    from megatron.core import tensor_parallel as tp
+
+    for module in model.modules():
+        if isinstance(module, tp.ColumnParallelLinear | tp.VocabParallelEmbedding):
+            dim = 0
+        elif isinstance(module, tp.RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            tp.set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def global_layers(chunk: nn.Module) -> list[int]:

@@ -128,6 +128,7 @@ def build_optimizer(chunks: list[nn.Module], optim: OptimConfig, grad_clip: floa
         weight_decay=optim.weight_decay,
         adam_beta1=optim.betas[0],
         adam_beta2=optim.betas[1],
+        adam_eps=optim.eps,
         clip_grad=float(grad_clip or 0.0),
         bf16=tf.bf16,
         fp16=tf.fp16,

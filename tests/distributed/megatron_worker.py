@@ -1,0 +1,90 @@
+"""torchrun worker: the megatron critic at several TP × PP (× VPP) layouts against the single-process reference.
+
+argv: reference.pt, out.json, export_dir. The reference (written by test_megatron.py) holds the batch, the worker
+config, and per batching mode the values, metrics, weights before and after one update of the data-parallel
+critic. Rank 0 writes one report row per layout × mode.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from megatron_cpu import redirect_cuda_to_cpu
+
+redirect_cuda_to_cpu()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+
+from ppo_critic.worker import MegatronCriticWorker  # noqa: E402
+
+LAYOUTS = {  # name: (TP, PP, VPP); DP is what is left of the 4 processes
+    "tp1pp1": (1, 1, None),
+    "tp2": (2, 1, None),
+    "pp2": (1, 2, None),
+    "tp2pp2": (2, 2, None),
+    "pp4vpp2": (1, 4, 2),
+}
+METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/vf_explained_var")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def run_layout(name: str, mode: str, ref: dict, export_dir: str) -> dict:
+    tp, pp, vpp = LAYOUTS[name]
+    cfg = ref["configs"][mode] | {"strategy": "megatron"}
+    if cfg["optim"].get("optimizer") == "sgd":
+        cfg["megatron"] = {"use_distributed_optimizer": False}
+    cfg["megatron"] = cfg["megatron"] | {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "virtual_pipeline_model_parallel_size": vpp,
+    }
+    worker = MegatronCriticWorker(cfg, seed=0)
+    expect = ref["modes"][mode]
+    before = worker.hf_state_dict()
+    exact = before.keys() == expect["before"].keys()
+    round_trip = exact and all(torch.equal(v, expect["before"][k]) for k, v in before.items())
+    values = worker.compute_values(ref["batch"])
+    metrics = worker.update_critic(ref["batch"])
+    after = worker.hf_state_dict()
+    delta = torch.cat([(after[k] - before[k]).flatten() for k in expect["before"]])
+    row = {
+        "layout": name,
+        "mode": mode,
+        "dp": worker.dp_size,
+        "round_trip_exact": round_trip,
+        "values_max_abs": float((values - expect["values"]).abs().max()),
+        "update_rel": rel(delta, expect["delta"]),
+        "metric_rel": max(
+            abs(metrics[k] - expect["metrics"][k]) / max(abs(expect["metrics"][k]), 1e-6) for k in METRICS
+        ),
+        "lr": metrics["critic/lr"],
+        "skipped": metrics["critic/skipped_steps"],
+    }
+    if name == "tp2pp2" and mode == "fixed":
+        worker.export_hf(export_dir)
+        bad = dict(ref["batch"], returns=torch.full_like(ref["batch"]["returns"], 3e38))
+        skipped = worker.update_critic(bad)
+        row["nonfinite_skipped"] = skipped["critic/skipped_steps"]
+        row["nonfinite_unchanged"] = all(torch.equal(after[k], v) for k, v in worker.hf_state_dict().items())
+    ps.destroy_model_parallel()
+    return row
+
+
+def main() -> None:
+    ref_path, out_path, export_dir = sys.argv[1:4]
+    ref = torch.load(ref_path, weights_only=False)
+    rows = [run_layout(name, mode, ref, export_dir) for name in LAYOUTS for mode in ref["modes"]]
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
