@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from conftest import make_batch, tiny_config
 from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.attention import VARLEN, varlen_attention
-from ppo_critic.packing import pack
+from ppo_critic.packing import compact, pack
 from test_models_hf import TrlStyleCritic
 
 
@@ -28,6 +28,34 @@ def test_pack_then_unpack_is_the_identity_on_valid_tokens(b, t, data):
     assert packed.cu_seqlens.tolist() == [0, *mask.sum(-1).cumsum(0).tolist()]
     assert packed.max_seqlen == int(mask.sum(-1).max())
     torch.testing.assert_close(packed.unpack(packed.input_ids.unsqueeze(-1)).squeeze(-1), ids * mask)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 9), st.data())
+def test_compact_moves_valid_tokens_first_and_expand_undoes_it(b, t, data):
+    mask = torch.tensor(
+        data.draw(st.lists(st.lists(st.integers(0, 1), min_size=t, max_size=t), min_size=b, max_size=b))
+    )
+    ids = torch.arange(b * t).view(b, t) + 1
+    c = compact(ids, mask, ids * 10)
+    lens = mask.sum(-1)
+    assert c.input_ids.shape == (b, max(int(lens.max()), 1))
+    for i in range(b):  # any mask, not only left/right padding: the valid tokens in order, then padding
+        n = int(lens[i])
+        assert c.input_ids[i, :n].tolist() == ids[i][mask[i].bool()].tolist()
+        assert c.position_ids[i, :n].tolist() == (ids[i][mask[i].bool()] * 10).tolist()
+        assert c.valid[i].tolist() == [True] * n + [False] * (c.valid.shape[1] - n)
+    outputs = c.input_ids.double().requires_grad_()
+    expanded = c.expand(outputs)
+    torch.testing.assert_close(expanded, (ids * mask).double())
+    expanded.sum().backward()  # differentiable, and padding slots get no gradient
+    torch.testing.assert_close(outputs.grad, c.valid.double())
+
+
+def test_compact_rejects_mrope_position_ids():
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"position_ids \[B, T\]"):
+        compact(ids, ids, torch.ones(2, 3, 3, dtype=torch.long))
 
 
 def test_mrope_position_ids_pack_to_three_rows():

@@ -1,6 +1,7 @@
-"""Cross-backend equivalence (torchrun, 4 gloo processes): from the same HF Qwen2 weights, the megatron critic at
-TP=1/PP=1 (DP=4), TP=2, PP=2, TP=2×PP=2 and PP=4×VPP=2 gives the data-parallel critic's values, update and
-metrics, with fixed and with dynamic micro-batches."""
+"""Cross-backend equivalence (torchrun, 4 gloo processes): from the same HF weights (Qwen2, and Llama), the megatron
+critic at TP=1/PP=1 (DP=4), TP=2, PP=2, TP=2×PP=2 and PP=4×VPP=2 gives the data-parallel critic's values, update
+and metrics, with fixed and with dynamic micro-batches; the HF -> megatron -> HF round trip is exact; a
+non-finite gradient skips the step; the exported critic loads as an HF model."""
 
 from __future__ import annotations
 
@@ -34,10 +35,17 @@ BASE = {
     "megatron": {"use_distributed_optimizer": True},
 }
 SGD = {"optimizer": "sgd", "lr": 0.05, "weight_decay": 0.0}
-CONFIGS = {  # the distributed optimizer (Adam) with fixed micro-batches; plain SGD with dynamic ones
+LLAMA = {"override_config": tiny_config("llama", num_hidden_layers=8, rope_theta=5e5), "value_head_init": "normal:0.3"}
+CONFIGS = {  # Qwen2 + the distributed optimizer (Adam) + fixed micro-batches; Llama + plain SGD + dynamic ones
     "fixed": BASE,
     "dynamic": BASE
-    | {"use_dynamic_bsz": True, "loss_agg_mode": "seq-mean-token-sum-norm", "optim": SGD, "megatron": {}},
+    | {
+        "use_dynamic_bsz": True,
+        "loss_agg_mode": "seq-mean-token-sum-norm",
+        "optim": SGD,
+        "megatron": {},
+        "model": LLAMA,
+    },
 }
 
 
