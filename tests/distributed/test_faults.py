@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -19,3 +20,28 @@ def test_a_failing_rank_ends_the_job(mode, message):
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
     assert elapsed < 60, elapsed
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("die", "Signal 9 (SIGKILL)"),
+        ("bad-batch", "batch['returns'] has 1 NaN/Inf value(s) at valid response positions"),
+    ],
+)
+def test_a_rank_that_dies_or_rejects_its_data_ends_every_rank(tmp_path, mode, message):
+    """Rank 0 is inside a collective when rank 1 dies (SIGKILL) or raises on its share of a real critic update: the
+    job fails with that reason well within the timeout, and no rank is left running."""
+    start = time.monotonic()
+    result = torchrun(str(HERE / "fault_worker.py"), mode, "10", str(tmp_path), timeout=180)
+    elapsed = time.monotonic() - start
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert message in output, output[-4000:]
+    assert "finished" not in result.stdout
+    pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert elapsed < 90, elapsed
