@@ -49,6 +49,14 @@ def save_checkpoint(
     keep_last_n: int | None = None,
 ) -> Path:
     """Write model + optimizer + `tensors` (DCP) and `state` (JSON) as `root/step_<step>`; keep the newest n."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return save_state_dicts(root, step, {"model": model_sd, "optim": optim_sd, "extra": tensors}, state, keep_last_n)
+
+
+def save_state_dicts(
+    root: str | os.PathLike, step: int, state_dict: dict[str, Any], state: dict[str, Any], keep_last_n: int | None
+) -> Path:
+    """Write a (DCP) `state_dict` and a JSON `state` atomically as `root/step_<step>`; keep the newest n."""
     root, lead = Path(root), _rank() <= 0
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}"  # one name on every rank (DCP writes a shard per rank into it)
@@ -58,9 +66,8 @@ def save_checkpoint(
         _remove_leftovers(root)  # temporary and half-deleted directories left by a crash
     _barrier()
     try:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
         with _explained_os_error(f"writing checkpoint {final} failed"), _single_process_ok():
-            dcp.save({"model": model_sd, "optim": optim_sd, "extra": tensors}, checkpoint_id=str(tmp))
+            dcp.save(state_dict, checkpoint_id=str(tmp))
             if lead:
                 _write_text(tmp / STATE_FILE, json.dumps({"step": step, **state}, indent=1))
                 _fsync_dir(tmp)
@@ -95,27 +102,42 @@ def load_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor]
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Restore model and optimizer in place; return the saved `tensors` (shaped like the templates) and state."""
-    path = Path(path)
-    if not (path / METADATA).is_file() or not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (missing {METADATA} or {STATE_FILE})")
-    check_metadata(path / METADATA)
-    state = json.loads((path / STATE_FILE).read_text())
     fresh_optimizer = not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer)  # a fresh optimizer gets zero state (one lr=0 step)
     state_dict = {"model": model_sd, "optim": optim_sd, "extra": dict(tensors)}
     try:
+        state = load_state_dicts(path, state_dict)
+    except ValueError:
+        if fresh_optimizer:  # nothing was loaded into it: make it fresh again
+            optimizer.state.clear()
+        raise
+    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+    return state_dict["extra"], state
+
+
+def read_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON state of a complete checkpoint (raises FileNotFoundError for an incomplete one)."""
+    path = Path(path)
+    if not (path / METADATA).is_file() or not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (missing {METADATA} or {STATE_FILE})")
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def load_state_dicts(path: str | os.PathLike, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Load a checkpoint into `state_dict` (templates, filled in place) and return its JSON state."""
+    path = Path(path)
+    state = read_state(path)
+    check_metadata(path / METADATA)
+    try:
         with _single_process_ok():
             dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=_WeightsOnlyLoadPlanner())
     except CheckpointException as err:
-        if fresh_optimizer:  # nothing was loaded into it: make it fresh again
-            optimizer.state.clear()
         causes = "; ".join(f"{type(e).__name__}: {e}" for e in _causes(err)) or str(err)
         raise ValueError(
             f"cannot load checkpoint {path} into this model and optimizer ({causes}); the checkpoint is damaged, or "
-            "was written with another critic.model / critic.optim config"
+            "was written with another critic.model / critic.optim config (or, with megatron, another layout)"
         ) from err
-    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
-    return state_dict["extra"], state
+    return state
 
 
 # ---------------------------------------------------------------------------------------------------------------
