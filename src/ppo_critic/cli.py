@@ -20,7 +20,14 @@ EXAMPLES = """examples:
   ppo-critic train --config configs/default.yaml data=rollouts.jsonl
   ppo-critic values runs/default data=rollouts.jsonl out=values.jsonl
   ppo-critic export runs/default critic-hf/
+  torchrun --nproc_per_node=4 -m ppo_critic train backend=megatron megatron.tensor_model_parallel_size=2 \
+      megatron.pipeline_model_parallel_size=2          # megatron-core (pip install 'ppo-critic[megatron]')
+
+`backend=X` is short for critic.strategy=X (fsdp2, fsdp, ddp, none, megatron) and `megatron.K=V` for
+critic.megatron.K=V. Runs of the megatron backend are resumed, exported and evaluated under torchrun with the
+layout (world size, TP, PP) they were trained with.
 """
+ALIASES = {"backend": "critic.strategy", "megatron.": "critic.megatron."}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +86,7 @@ def load_config(yaml_file: Path | None, overrides: list[str], base: dict | None 
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ValueError(f"overrides must look like key=value, got {bad}")
+    overrides = [_expand_alias(o) for o in overrides]
     try:
         merged = OmegaConf.create(base if base is not None else TrainConfig().to_dict())
         if yaml_file is not None:
@@ -90,6 +98,15 @@ def load_config(yaml_file: Path | None, overrides: list[str], base: dict | None 
     except OmegaConfBaseException as err:
         raise ValueError(f"could not read the options: {err}") from err
     return TrainConfig.from_mapping(plain)
+
+
+def _expand_alias(override: str) -> str:
+    """`backend=X` -> `critic.strategy=X`; `megatron.K=V` -> `critic.megatron.K=V`."""
+    key, value = override.split("=", 1)
+    for short, full in ALIASES.items():
+        if key == short or (short.endswith(".") and key.startswith(short)):
+            return f"{full}{key[len(short) :]}={value}"
+    return override
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -109,7 +126,7 @@ def _values(args: argparse.Namespace) -> int:
         raise ValueError("values needs data=<rollout file> and out=<output .jsonl/.parquet>")
     rest = [o for o in args.overrides if o.split("=", 1)[0] not in ("data", "out")]
     worker, cfg = _worker_for(args.source, rest)
-    text_config = worker.model.config.get_text_config()
+    text_config = worker.hf_config.get_text_config()
     rows = read_rollouts(pairs["data"], vocab_size=getattr(text_config, "vocab_size", None))
     chunk = cfg.trainer.rollout_batch_size
     values: list[list[float]] = []

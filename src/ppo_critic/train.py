@@ -22,7 +22,7 @@ from ppo_critic.checkpoint import latest_checkpoint
 from ppo_critic.config import CriticConfig, ModelConfig, OptimConfig, from_mapping
 from ppo_critic.runlog import CURVES_FILE, RunLog, plot_curves
 from ppo_critic.tasks import TASKS
-from ppo_critic.worker import CriticWorker
+from ppo_critic.worker import CriticWorker, make_critic_worker
 
 DEFAULT_MODEL = {
     "model_type": "qwen2",
@@ -185,7 +185,9 @@ def resolve_model(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
 
 def make_worker(cfg: TrainConfig) -> CriticWorker:
     t = cfg.trainer
-    return CriticWorker(cfg.critic, total_steps=t.steps, device=t.device, seed=t.seed, dist_timeout_s=t.dist_timeout_s)
+    return make_critic_worker(
+        cfg.critic, total_steps=t.steps, device=t.device, seed=t.seed, dist_timeout_s=t.dist_timeout_s
+    )
 
 
 def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float) -> dict[str, float]:

@@ -48,6 +48,7 @@ class CriticWorker:
         factor = lr_schedule(optim, optim.total_training_steps if optim.total_training_steps > 0 else total_steps)
         torch.manual_seed(seed)
         model = model_from_config(self.config.model).to(self.device)  # same seed: same weights on every rank
+        self.hf_config = model.config
         if self.config.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.model = parallelize(model, self.config.strategy, self.device)
@@ -122,7 +123,7 @@ class CriticWorker:
 class MegatronCriticWorker(CriticWorker):
     """`CriticWorker` on megatron-core: the HF value model is built (same seed on every rank), converted to this
     rank's TP × PP slice, wrapped in megatron DDP with the (distributed) optimizer, and run by `MegatronPPOCritic`.
-    Checkpoints are not supported yet: export to HF and start from that with `critic.model.path`."""
+    A checkpoint resumes with the same layout; across layouts, go through `export_hf` and `critic.model.path`."""
 
     def __init__(
         self,
@@ -187,13 +188,88 @@ class MegatronCriticWorker(CriticWorker):
             skeleton = model_from_config(ModelConfig(override_config=self.hf_config.to_dict()))
         return export_hf(skeleton, out_dir, state_dict=state)
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Path:
-        raise ValueError(
-            "checkpoints are not supported with strategy=megatron yet; set trainer.save_every=0 and use "
-            "`export` (HF weights) to keep a trained critic"
-        )
+    def save_checkpoint(
+        self,
+        root: str | Path,
+        tensors: dict[str, Tensor] | None = None,
+        state: dict[str, Any] | None = None,
+        keep_last_n: int | None = None,
+    ) -> Path:
+        """Each rank's model chunks and optimizer shard (resumable with the same layout), torch RNG, schedule,
+        step and the caller's `tensors` and JSON `state`."""
+        from ppo_critic.checkpoint import save_state_dicts
 
-    load_checkpoint = save_checkpoint
+        tensors = {"rng/torch": torch.get_rng_state(), **(tensors or {})}
+        state = {"worker_step": self.step, "scheduler": self.scheduler.state_dict(), **(state or {})}
+        state["megatron_layout"] = self._layout()
+        return save_state_dicts(root, self.step, {**self._rank_state(), "extra": tensors}, state, keep_last_n)
+
+    def load_checkpoint(
+        self, path: str | Path, tensors: dict[str, Tensor] | None = None
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        from ppo_critic.checkpoint import load_state_dicts, read_state
+
+        saved = read_state(path).get("megatron_layout")
+        if saved != self._layout():
+            raise ValueError(
+                f"checkpoint {path} was written with the megatron layout {saved}, this job runs {self._layout()}; "
+                "resume with the same layout, or export it to HF and start from that with critic.model.path"
+            )
+        state_dict = {**self._rank_state(), "extra": {"rng/torch": torch.get_rng_state(), **(tensors or {})}}
+        state = load_state_dicts(path, state_dict)  # fills model, optimizer state and main params in place
+        self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # the rate of the saved step (param groups are not in the checkpoint)
+        self.step = int(state["worker_step"])
+        extra = state_dict["extra"]
+        torch.set_rng_state(extra.pop("rng/torch"))
+        return extra, state
+
+    def _layout(self) -> dict[str, int]:
+        from megatron.core import parallel_state as ps
+
+        return {
+            "world": torch.distributed.get_world_size(),
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "vpp": len(self.model),
+        }
+
+    def _rank_state(self) -> dict[str, Any]:
+        """This rank's tensors under rank-unique names: model chunks, the inner optimizer's state and the
+        parameters it steps (fp32 main copies, or shards of them with the distributed optimizer)."""
+        from ppo_critic.parallel.megatron import unwrap
+
+        inner = self.optimizer.optimizer
+        if not inner.state:  # a fresh optimizer: create its state with a step that changes nothing
+            _zero_step(inner)
+        params = [p for group in inner.param_groups for p in group["params"]]
+        model = {
+            f"chunk{i}.{k}": v
+            for i, chunk in enumerate(self.model)
+            for k, v in unwrap(chunk).state_dict().items()
+            if isinstance(v, Tensor)
+        }
+        optim = {
+            "main": {str(i): p.data for i, p in enumerate(params)},
+            "state": {str(i): inner.state[p] for i, p in enumerate(params) if p in inner.state},
+        }
+        rank = f"rank{self.rank}"
+        return {"model": {rank: model}, "optim": {rank: optim}}
+
+
+def _zero_step(optimizer: torch.optim.Optimizer) -> None:
+    """One step with zero gradients and learning rate 0: the optimizer's state exists, the parameters are untouched."""
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved, strict=True):
+        group["lr"] = lr
+        for p in group["params"]:
+            p.grad = None
 
 
 def make_critic_worker(config: Any, **kwargs: Any) -> CriticWorker:
