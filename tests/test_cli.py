@@ -125,5 +125,9 @@ def test_the_shipped_default_config_file_matches_the_built_in_defaults():
 
     from ppo_critic.train import TrainConfig
 
+    from omegaconf import OmegaConf
+
     shipped = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
     assert load_config(shipped, []) == TrainConfig()
+    defaults = OmegaConf.to_container(OmegaConf.create(TrainConfig().to_dict()))
+    assert OmegaConf.to_container(OmegaConf.load(shipped)) == defaults  # every key is written out
