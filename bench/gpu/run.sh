@@ -14,7 +14,8 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$out/gpu.txt"
-timeout 240 python3 -m pytest -q -rs -k cuda tests/test_packing.py tests/test_critics_dp.py >"$out/tests.log" 2>&1
+timeout 300 python3 -m pytest -q -rs -k cuda tests/test_packing.py tests/test_critics_dp.py \
+  tests/distributed/test_megatron.py >"$out/tests.log" 2>&1
 timeout 300 python3 bench/packing.py --device cuda --dtype bfloat16 --layers 24 --hidden 896 --heads 14 \
   --kv-heads 2 --intermediate 4864 --vocab 151936 --batch 32 --prompt 512 --response 1024 --micro 8 --repeats 3 \
   --out "$out/packing.json" >"$out/packing.log" 2>&1

@@ -1,24 +1,28 @@
 """torchrun worker: the megatron critic at several TP × PP (× VPP) layouts against the single-process reference.
 
-argv: reference.pt, out.json, export_dir. The reference (written by test_megatron.py) holds the batch, the worker
-config, and per batching mode the values, metrics, weights before and after one update of the data-parallel
-critic. Rank 0 writes one report row per layout × mode.
+argv: reference.pt, out.json, export_dir; MEGATRON_LAYOUTS (comma-separated names) picks layouts. On CUDA (NCCL)
+megatron runs as it is; on CPU its CUDA assumptions are redirected (tests/megatron_cpu.py). The reference
+(written by test_megatron.py) holds the batch, the worker config, and per batching mode the values, metrics,
+weights before and after one update of the data-parallel critic. Rank 0 writes one row per layout × mode.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+
+import torch
 
 from megatron_cpu import redirect_cuda_to_cpu
 
-redirect_cuda_to_cpu()
+if not torch.cuda.is_available():
+    redirect_cuda_to_cpu()
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
-from ppo_critic.worker import MegatronCriticWorker  # noqa: E402
+from ppo_critic.worker import MegatronCriticWorker
 
 LAYOUTS = {  # name: (TP, PP, VPP); DP is what is left of the 4 processes
     "tp1pp1": (1, 1, None),
@@ -79,7 +83,8 @@ def run_layout(name: str, mode: str, ref: dict, export_dir: str) -> dict:
 def main() -> None:
     ref_path, out_path, export_dir = sys.argv[1:4]
     ref = torch.load(ref_path, weights_only=False)
-    rows = [run_layout(name, mode, ref, export_dir) for name in LAYOUTS for mode in ref["modes"]]
+    names = os.environ.get("MEGATRON_LAYOUTS", ",".join(LAYOUTS)).split(",")
+    rows = [run_layout(name, mode, ref, export_dir) for name in names for mode in ref["modes"]]
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)

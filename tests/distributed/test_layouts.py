@@ -41,9 +41,16 @@ def reference(path: Path) -> None:
     torch.save({"model": base, "batch": batch, "updates": updates, "values": critic.compute_values(batch)}, path)
 
 
-def torchrun(*argv: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+def torchrun(
+    *argv: str, nproc: int = 2, timeout: int = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=N <argv>` (a script path, or `-m module`), gloo on CPU."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parent), *sys.path])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent), *sys.path]),
+        **(env or {}),
+    }
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
 

@@ -50,11 +50,11 @@ CONFIGS = {  # Qwen2 + the distributed optimizer (Adam) + fixed micro-batches; L
 }
 
 
-def reference(path: Path) -> dict:
+def reference(path: Path, configs: dict = CONFIGS) -> dict:
     """The single-process data-parallel critic (strategy none) on the same global batch."""
     batch = make_batch(16, 7, 6, seed=3)
     modes = {}
-    for mode, cfg in CONFIGS.items():
+    for mode, cfg in configs.items():
         worker = CriticWorker(copy.deepcopy(cfg) | {"megatron": {}}, seed=0)
         before = {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
         values = worker.compute_values(batch)
@@ -62,7 +62,7 @@ def reference(path: Path) -> dict:
         after = worker.model.state_dict()
         delta = torch.cat([(after[k] - v).flatten() for k, v in before.items()])
         modes[mode] = {"before": before, "values": values, "metrics": metrics, "delta": delta}
-    ref = {"batch": batch, "configs": CONFIGS, "modes": modes}
+    ref = {"batch": batch, "configs": configs, "modes": modes}
     torch.save(ref, path)
     return ref
 
@@ -117,3 +117,19 @@ def test_cli_trains_resumes_and_exports_with_the_megatron_backend(tmp_path):
     config = yaml.safe_load((resumed / "config.yaml").read_text())
     assert config["critic"]["strategy"] == "megatron"
     assert config["critic"]["megatron"]["tensor_model_parallel_size"] == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_megatron_on_cuda_equals_the_data_parallel_critic(tmp_path):
+    """TP=1/PP=1 on one GPU (NCCL, fp32): the same values, update and metrics as the data-parallel critic."""
+    configs = {mode: cfg | {"dtype": "float32"} for mode, cfg in CONFIGS.items()}
+    reference(tmp_path / "reference.pt", configs)
+    out = tmp_path / "out.json"
+    env = {"MEGATRON_LAYOUTS": "tp1pp1"}
+    result = torchrun(str(HERE / "megatron_worker.py"), str(tmp_path / "reference.pt"), str(out), "-", nproc=1, env=env)
+    assert result.returncode == 0, result.stderr[-6000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == len(CONFIGS)
+    for r in rows:
+        assert r["round_trip_exact"] and r["values_max_abs"] <= 1e-4 and r["update_rel"] <= 1e-4, r
+        assert r["metric_rel"] <= 1e-4, r
