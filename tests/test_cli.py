@@ -123,9 +123,9 @@ def test_python_dash_m_runs_the_cli():
 def test_the_shipped_default_config_file_matches_the_built_in_defaults():
     from pathlib import Path
 
-    from ppo_critic.train import TrainConfig
-
     from omegaconf import OmegaConf
+
+    from ppo_critic.train import TrainConfig
 
     shipped = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
     assert load_config(shipped, []) == TrainConfig()
