@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,16 @@ from ppo_critic.packing import compact, pack
 FAST = settings(max_examples=150, deadline=None)
 SLOW = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 VOCAB = 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning OpenMP threads make this
+    module many times slower; the previous setting is restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def documented(err: Exception, prefix: str = "") -> None:
