@@ -12,33 +12,27 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_packing_benchmark_runs_and_reports_both_paths(tmp_path):
-    out = tmp_path / "packing.json"
+@pytest.mark.parametrize(
+    ("script", "paths", "key", "ratio"),
+    [
+        ("packing.py", ("padded", "packed"), "median_tokens_per_s", "packed/padded"),
+        ("megatron_vs_dp.py", ("dp", "megatron"), "median", "megatron/dp"),
+    ],
+)
+def test_benchmarks_run_and_report_both_paths(tmp_path, script, paths, key, ratio):
+    if script.startswith("megatron"):
+        pytest.importorskip("megatron.core")
+    out = tmp_path / "result.json"
     args = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--batch", "4"]
     args += ["--prompt", "8", "--response", "8", "--micro", "2", "--repeats", "1", "--out", str(out)]
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "packing.py"), *args], capture_output=True, text=True, timeout=300
+        [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr
-    assert "update_critic" in result.stdout and "packed/padded" in result.stdout
+    assert "update_critic" in result.stdout and ratio in result.stdout
     summary = json.loads(out.read_text())
-    for path in ("padded", "packed"):
-        assert all(v > 0 for v in summary["median_tokens_per_s"][path].values())
-
-
-def test_megatron_benchmark_runs_and_reports_both_backends(tmp_path):
-    pytest.importorskip("megatron.core")
-    out = tmp_path / "megatron.json"
-    args = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--batch", "4"]
-    args += ["--prompt", "8", "--response", "8", "--micro", "2", "--repeats", "1", "--out", str(out)]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "megatron_vs_dp.py"), *args], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr
-    assert "megatron/dp" in result.stdout
-    summary = json.loads(out.read_text())
-    for backend in ("dp", "megatron"):
-        assert summary["median"][backend]["compute_values"] > 0 and summary["median"][backend]["update_critic"] > 0
+    for path in paths:
+        assert all(summary[key][path][k] > 0 for k in ("compute_values", "update_critic"))
 
 
 def test_gpu_scripts_are_valid_bash():

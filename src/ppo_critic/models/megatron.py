@@ -297,23 +297,19 @@ def megatron_to_hf(shards: list[Mapping[str, Tensor]], s: Shapes, layers: list[i
 
 def to_te_names(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Local-spec names -> transformer-engine spec names (layer norms fused into the following linear)."""
-    out = {}
-    for key, value in state.items():
-        for local, te in _TE_NORM_NAMES.items():
-            if key.endswith(local):
-                key = key[: -len(local)] + te
-        out[key] = value
-    return out
+    return _rename_suffixes(state, _TE_NORM_NAMES)
 
 
 def from_te_names(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Inverse of `to_te_names`."""
+    return _rename_suffixes(state, {te: local for local, te in _TE_NORM_NAMES.items()})
+
+
+def _rename_suffixes(state: Mapping[str, Tensor], suffixes: Mapping[str, str]) -> dict[str, Tensor]:
     out = {}
     for key, value in state.items():
-        for local, te in _TE_NORM_NAMES.items():
-            if key.endswith(te):
-                key = key[: -len(te)] + local
-        out[key] = value
+        old = next((suffix for suffix in suffixes if key.endswith(suffix)), None)
+        out[key if old is None else key[: -len(old)] + suffixes[old]] = value
     return out
 
 
