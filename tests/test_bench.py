@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,27 +13,50 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+TINY = ["layers=1", "hidden=32", "heads=2", "kv_heads=1", "vocab=64", "batch=4", "prompt=8", "response=8", "micro=2"]
+
+
 @pytest.mark.parametrize(
-    ("script", "paths", "key", "ratio"),
+    ("command", "paths"),
     [
-        ("packing.py", ("padded", "packed"), "median_tokens_per_s", "packed/padded"),
-        ("megatron_vs_dp.py", ("dp", "megatron"), "median", "megatron/dp"),
+        ([sys.executable, "-m", "ppo_critic", "bench"], ("padded", "packed")),
+        ([sys.executable, str(ROOT / "bench" / "megatron_vs_dp.py")], ("packed", "megatron")),
     ],
 )
-def test_benchmarks_run_and_report_both_paths(tmp_path, script, paths, key, ratio):
-    if script.startswith("megatron"):
+def test_bench_reports_every_path_against_the_padded_baseline(tmp_path, command, paths):
+    if "megatron" in paths:
         pytest.importorskip("megatron.core")
     out = tmp_path / "result.json"
-    args = ["--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--batch", "4"]
-    args += ["--prompt", "8", "--response", "8", "--micro", "2", "--repeats", "1", "--out", str(out)]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=300
-    )
+    result = subprocess.run([*command, *TINY, "repeats=1", f"out={out}"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "update_critic" in result.stdout and ratio in result.stdout
+    assert all(f"\n{path} " in result.stdout for path in paths), result.stdout
     summary = json.loads(out.read_text())
+    assert tuple(summary["median"]) == paths and summary["valid_tokens"] > 0
     for path in paths:
-        assert all(summary[key][path][k] > 0 for k in ("compute_values", "update_critic"))
+        m = summary["median"][path]
+        assert m["compute_values"] > 0 and m["update_critic"] > 0
+        assert 0 < m["compute_values_mfu"] <= 1 and 0 < m["update_critic_mfu"] <= 1
+    if "padded" in paths:
+        assert summary["vs_padded"]["padded"] == {"compute_values": 1.0, "update_critic": 1.0}
+        ratio = summary["median"]["packed"]["update_critic"] / summary["median"]["padded"]["update_critic"]
+        assert summary["vs_padded"]["packed"]["update_critic"] == pytest.approx(ratio)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["paths=padded,fast"], "paths='padded,fast'"),
+        (["batch=6", "micro=4"], "batch=6 must be a multiple of micro=4"),
+        (["fill=0"], "fill=0"),
+        (["repeat=2"], "did you mean 'repeats'"),
+        (["layers"], "key=value"),
+    ],
+)
+def test_bench_rejects_bad_options_by_name(options, message):
+    from ppo_critic.bench import main
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        main(options)
 
 
 def test_gpu_scripts_are_valid_bash():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch import Tensor
 from ppo_critic.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
 from ppo_critic.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_indices
 from ppo_critic.config import CriticConfig
+from ppo_critic.perf import ModelShape, PhaseTimer, perf_metrics
 
 UPDATE_KEYS = (*MODEL_KEYS, "response_mask", *TARGET_KEYS, MULTI_MODAL)
 
@@ -35,6 +37,7 @@ class UpdateMetrics:
     """Accumulates `update_critic` metrics on the device; one host transfer in `result()` (DESIGN §3)."""
 
     def __init__(self, device: torch.device):
+        self.timer = PhaseTimer(device)
         zero = torch.zeros((), dtype=torch.float64, device=device)
         self.tokens, self.clipped, self.vpred_sum = zero.clone(), zero.clone(), zero.clone()
         self.step_losses: list[Tensor] = []
@@ -51,7 +54,13 @@ class UpdateMetrics:
         self.grad_norms.append(grad_norm.detach().double())
 
     def result(
-        self, batch: Batch, lr: float, elapsed_s: float, epochs: int, reduce: Callable[[Tensor, str], Tensor]
+        self,
+        batch: Batch,
+        lr: float,
+        elapsed_s: float,
+        epochs: int,
+        reduce: Callable[[Tensor, str], Tensor],
+        perf: Perf,
     ) -> dict[str, float]:
         """The metrics of DESIGN §3, identical on every rank: sums and extrema go through `reduce` (over DP)."""
         norms = torch.stack(self.grad_norms)  # global norms: the same on every rank
@@ -70,6 +79,7 @@ class UpdateMetrics:
                     *(torch.where(mask, x, 0.0).sum() for x in (values, returns, returns**2, err, err**2)),
                     mask.sum().double(),
                     batch["attention_mask"].sum().double() * epochs,
+                    torch.tensor(3 * perf.forward_flops(batch) * epochs, dtype=torch.float64, device=values.device),
                 ]
             ),
             "sum",
@@ -77,7 +87,7 @@ class UpdateMetrics:
         extrema = reduce(
             torch.stack([torch.where(mask, values, big).min(), -torch.where(mask, values, -big).max()]), "min"
         )
-        step_loss, tokens, clipped, vpred, v_sum, r_sum, r_sq, e_sum, e_sq, count, seen = sums.tolist()
+        step_loss, tokens, clipped, vpred, v_sum, r_sum, r_sq, e_sum, e_sq, count, seen, flops = sums.tolist()
         n, t = max(count, 1.0), max(tokens, 1.0)
         var_returns = r_sq / n - (r_sum / n) ** 2
         var_err = e_sq / n - (e_sum / n) ** 2
@@ -96,15 +106,33 @@ class UpdateMetrics:
             "critic/lr": float(lr),
         }
         slowest = float(reduce(torch.tensor(elapsed_s, device=values.device), "max"))
-        metrics["perf/tokens_per_s"] = seen / max(slowest, 1e-9)
-        return metrics
+        return metrics | perf.metrics("", self.timer.seconds(), slowest, seen, flops)
+
+
+@dataclass
+class Perf:
+    """What `perf/*` metrics need to know about a critic: its model's shape (for FLOPs; None when unknown), the
+    devices that serve one data-parallel replica's work and the whole world, the device and compute dtype."""
+
+    shape: ModelShape | None
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def forward_flops(self, batch: Batch) -> float:
+        return 0.0 if self.shape is None else self.shape.forward_flops(batch["attention_mask"].sum(-1))
+
+    def metrics(self, prefix: str, seconds: dict, elapsed_s: float, tokens: float, flops: float) -> dict[str, float]:
+        flops_or_none = None if self.shape is None else flops
+        return perf_metrics(prefix, seconds, elapsed_s, tokens, flops_or_none, self.world_size, self.device, self.dtype)
 
 
 class PPOCriticBase:
     """The backend-independent critic: epochs → mini-batches → micro-batches → one step (DESIGN §3).
 
-    A backend sets `config`, `device`, `dp_group`, `dp_size` and `sp_size`, and implements `_values` (the
-    forward of all micro-batches), `_optimizer_step`, `_set_training` and `_lr`.
+    A backend sets `config`, `device`, `dp_group`, `dp_size`, `sp_size` and `perf`, and implements `_values`
+    (the forward of all micro-batches), `_optimizer_step`, `_set_training` and `_lr`. After `compute_values`,
+    `last_compute_metrics` holds its `perf/compute_values_*` metrics (this rank's).
     """
 
     config: CriticConfig
@@ -113,6 +141,8 @@ class PPOCriticBase:
     dp_size: int = 1
     sp_size: int = 1
     micro_batch_multiple: int = 1  # the micro-batch count is rounded up to a multiple of this (megatron VPP)
+    perf: Perf
+    last_compute_metrics: dict[str, float] | None = None
 
     @torch.no_grad()
     def compute_values(self, data: Any) -> Tensor:
@@ -128,11 +158,16 @@ class PPOCriticBase:
         use_dynamic = bool(meta.get("use_dynamic_bsz", self.config.use_dynamic_bsz))
         micro_batch_size = int(meta.get("micro_batch_size", self.config.micro_batch_sizes(self.dp_size)[1]))
         max_token_len = int(meta.get("max_token_len", self.config.forward_max_token_len)) * self.sp_size
+        start = time.perf_counter()
         batch = batch.select((*MODEL_KEYS, "response_mask", MULTI_MODAL)).to(self.device, non_blocking=True)
         groups = self._micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
         self._set_training(False)
-        values = self._values(batch, groups)
-        return torch.where(batch.response_mask.bool(), values, 0.0).float().cpu()
+        values = torch.where(batch.response_mask.bool(), self._values(batch, groups), 0.0).float().cpu()
+        replica = self.perf.world_size // self.dp_size  # this rank's share of the devices: the replica's
+        tokens, flops = float(batch["attention_mask"].sum()), self.perf.forward_flops(batch)
+        local = Perf(self.perf.shape, replica, self.perf.device, self.perf.dtype)
+        self.last_compute_metrics = local.metrics("compute_values_", {}, time.perf_counter() - start, tokens, flops)
+        return values
 
     def update_critic(self, data: Any) -> dict[str, float]:
         """PPO epochs × mini-batches of the clipped value loss; one optimizer step per mini-batch.
@@ -159,7 +194,7 @@ class PPOCriticBase:
         return self._metrics(metrics, batch, time.perf_counter() - start)
 
     def _metrics(self, metrics: UpdateMetrics, batch: Batch, elapsed_s: float) -> dict[str, float]:
-        return metrics.result(batch, self._lr(), elapsed_s, self.config.ppo_epochs, self._all_reduce)
+        return metrics.result(batch, self._lr(), elapsed_s, self.config.ppo_epochs, self._all_reduce, self.perf)
 
     def _check_batch(self, batch: Batch) -> None:
         """Backend-specific input checks (after `Batch.validate`, before any state changes)."""

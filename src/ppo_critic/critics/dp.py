@@ -17,12 +17,13 @@ from ppo_critic.attention import use_packed_attention
 from ppo_critic.batch import MULTI_MODAL, Batch
 from ppo_critic.batching import restore_order
 from ppo_critic.config import CriticConfig
-from ppo_critic.critics.base import PPOCriticBase, UpdateMetrics, compute_dtype
+from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics, compute_dtype
 from ppo_critic.models.hf import token_values
 from ppo_critic.packing import pack
 from ppo_critic.parallel.fsdp import average_plain_gradients, clip_grad_norm
 from ppo_critic.parallel.mesh import parallel_groups
 from ppo_critic.parallel.ulysses import check_heads_of, gather_sequence, sequence_parallel
+from ppo_critic.perf import ModelShape
 
 
 class DataParallelPPOCritic(PPOCriticBase):
@@ -42,6 +43,9 @@ class DataParallelPPOCritic(PPOCriticBase):
         self.dp_group, self.dp_size = self.groups.dp_group, self.groups.dp_size
         if self.sp_size > 1:
             check_heads_of(critic_module, self.sp_size)
+        hf_config = getattr(getattr(critic_module, "module", critic_module), "config", None)
+        shape = ModelShape.from_hf(hf_config) if hf_config is not None else None
+        self.perf = Perf(shape, self.groups.world_size, self.device, self.compute_dtype)
 
     def _values(self, batch: Batch, groups: list[list[int]]) -> Tensor:
         outputs = [self._forward_micro_batch(batch.index(g or [0])) for g in groups]  # [] keeps ranks in step
@@ -57,7 +61,9 @@ class DataParallelPPOCritic(PPOCriticBase):
     def _optimizer_step(self, mini_batch: Batch, metrics: UpdateMetrics, max_token_len: int) -> None:
         """Accumulate the gradient of one mini-batch over its micro-batches, clip, and step (or skip)."""
         cfg = self.config
-        norm = self._loss_denominators(mini_batch)
+        timer = metrics.timer
+        with timer("collective"):
+            norm = self._loss_denominators(mini_batch)
         # gradients are averaged over all dp × sp ranks; each sp rank holds part of the same loss
         norm |= {"dp_size": self.groups.world_size, "loss_scale_factor": cfg.loss_scale_factor}
         self.critic_optimizer.zero_grad(set_to_none=True)
@@ -65,19 +71,23 @@ class DataParallelPPOCritic(PPOCriticBase):
         micro_size = cfg.micro_batch_sizes(self.dp_size)[0]
         for rows in self._micro_batches(mini_batch, cfg.use_dynamic_bsz, micro_size, max_token_len):
             micro = mini_batch.index(rows or [0])  # an empty group runs with zero weight, so ranks stay in step
-            vpreds = self._forward_micro_batch(micro)
-            mask = micro.response_mask if rows else torch.zeros_like(micro.response_mask)
-            loss, clipfrac = compute_value_loss(
-                vpreds, micro["returns"], micro["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **norm
-            )
-            loss.backward()
+            with timer("forward"):
+                vpreds = self._forward_micro_batch(micro)
+                mask = micro.response_mask if rows else torch.zeros_like(micro.response_mask)
+                loss, clipfrac = compute_value_loss(
+                    vpreds, micro["returns"], micro["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **norm
+                )
+            with timer("backward"):  # under DDP / FSDP this includes their gradient reduction
+                loss.backward()
             step_loss += loss.detach()
             metrics.add_micro_batch(vpreds, clipfrac, mask)
-        average_plain_gradients(self.critic_module, self.groups.world_size)
-        grad_norm = clip_grad_norm(self.critic_module, cfg.grad_clip)
-        if torch.isfinite(grad_norm):
-            self.critic_optimizer.step()
-        self.critic_optimizer.zero_grad(set_to_none=True)
+        with timer("collective"):
+            average_plain_gradients(self.critic_module, self.groups.world_size)
+        with timer("optimizer"):
+            grad_norm = clip_grad_norm(self.critic_module, cfg.grad_clip)
+            if torch.isfinite(grad_norm):
+                self.critic_optimizer.step()
+            self.critic_optimizer.zero_grad(set_to_none=True)
         metrics.add_step(step_loss / self.groups.world_size, grad_norm)
 
     def _forward_micro_batch(self, micro: Batch) -> Tensor:

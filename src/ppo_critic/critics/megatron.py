@@ -21,8 +21,9 @@ from ppo_critic.algos import compute_value_loss
 from ppo_critic.batch import MULTI_MODAL, Batch
 from ppo_critic.batching import restore_order
 from ppo_critic.config import CriticConfig
-from ppo_critic.critics.base import PPOCriticBase, UpdateMetrics
+from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics
 from ppo_critic.packing import CompactBatch, compact
+from ppo_critic.perf import ModelShape
 
 # (micro-batch, whether it holds real rows, its values [b, R]) -> (loss to backpropagate, extra outputs)
 MicroBatchFn = Callable[[Batch, bool, Tensor], Tensor]
@@ -81,6 +82,8 @@ class MegatronPPOCritic(PPOCriticBase):
         self.interleaved = len(chunks) > 1
         self.micro_batch_multiple = self.pp_size if self.interleaved else 1
         self.tf_config.variable_seq_lengths = not self.interleaved
+        shape, world = ModelShape.from_megatron(self.tf_config), torch.distributed.get_world_size()
+        self.perf = Perf(shape, world, self.device, self.tf_config.params_dtype)
 
     def _check_batch(self, batch: Batch) -> None:
         positions, mask = batch["position_ids"], batch["attention_mask"].bool()
@@ -111,7 +114,8 @@ class MegatronPPOCritic(PPOCriticBase):
         """Accumulate one mini-batch over its micro-batches through the pipeline schedule, clip, step or skip."""
         cfg = self.config
         # megatron sums gradients over DP (calculate_per_token_loss), so each rank's share is numerator / global
-        norm = self._loss_denominators(mini_batch) | {"dp_size": 1, "loss_scale_factor": cfg.loss_scale_factor}
+        with metrics.timer("collective"):
+            norm = self._loss_denominators(mini_batch) | {"dp_size": 1, "loss_scale_factor": cfg.loss_scale_factor}
         for chunk in self.critic_module:
             chunk.zero_grad_buffer()
         self.critic_optimizer.zero_grad()
@@ -127,9 +131,12 @@ class MegatronPPOCritic(PPOCriticBase):
             metrics.add_micro_batch(vpreds, clipfrac, mask)
             return loss
 
-        outputs = self._run(mini_batch, groups, forward_only=False, fn=loss_fn)
+        with metrics.timer("forward_backward"):  # the pipeline schedule, with its p2p and DP gradient reduction
+            outputs = self._run(mini_batch, groups, forward_only=False, fn=loss_fn)
         step_loss = torch.stack([o["loss"] for o in outputs]).sum() if outputs else torch.zeros((), device=self.device)
-        metrics.add_step(step_loss, self._clip_and_step())
+        with metrics.timer("optimizer"):
+            grad_norm = self._clip_and_step()
+        metrics.add_step(step_loss, grad_norm)
 
     def _clip_and_step(self) -> Tensor:
         """Global gradient norm (over DP, TP and PP); the step is taken only when it is finite."""

@@ -1,0 +1,222 @@
+"""`ppo-critic bench`: throughput of `compute_values` and `update_critic` for several critic paths side by side,
+on one seeded rollout distribution, against the plain padded HF baseline measured in the same run.
+
+Paths: `padded` (HF model, padded batches: the baseline), `packed` (remove padding), `megatron` (TP=1/PP=1;
+CUDA, or CPU with the test-only redirect of bench/megatron_vs_dp.py). Each path is a worker built from the same
+config and seed (same weights); rounds alternate the paths so machine noise hits all alike; the report holds
+median valid tokens/s, MFU (matmul + attention FLOPs over the measured matmul peak of the compute dtype) and
+peak memory, and the ratio of each path to the baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ppo_critic.config import from_mapping
+from ppo_critic.parallel.mesh import resolve_device
+from ppo_critic.perf import peak_memory_gb
+
+PATHS = ("padded", "packed", "megatron")
+QWEN25_05B = {"layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "intermediate": 4864, "vocab": 151936}
+
+
+@dataclass
+class BenchConfig:
+    """What to measure. Model fields of 0 take the device's default shape: Qwen2.5-0.5B on CUDA, a small model on
+    CPU; `dtype` null is bf16 on CUDA, fp32 on CPU. Rollouts: prompts ≤ `prompt` (left-padded), responses ≤
+    `response` (right-padded), lengths uniform around `fill` of the padded widths."""
+
+    paths: str = "padded,packed"
+    device: str = "auto"
+    dtype: str | None = None
+    layers: int = 0
+    hidden: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    intermediate: int = 0
+    vocab: int = 0
+    batch: int = 0
+    prompt: int = 0
+    response: int = 0
+    fill: float = 0.5
+    micro: int = 0
+    repeats: int = 3
+    seed: int = 0
+    out: str | None = None
+
+    def resolved(self) -> BenchConfig:
+        """The config with the device defaults filled in (checked)."""
+        cuda = resolve_device(self.device).type == "cuda"
+        shape = QWEN25_05B if cuda else {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 1024}
+        sizes = {"batch": 32, "prompt": 512, "response": 1024, "micro": 8} if cuda else {}
+        sizes = sizes or {"batch": 16, "prompt": 256, "response": 512, "micro": 4}
+        cfg = dataclasses.replace(self, dtype=self.dtype or ("bfloat16" if cuda else "float32"))
+        for name, value in {**shape, **sizes}.items():
+            if getattr(cfg, name) == 0:
+                setattr(cfg, name, value)
+        if cfg.intermediate == 0:
+            cfg.intermediate = 4 * cfg.hidden
+        unknown = [p for p in cfg.path_list() if p not in PATHS]
+        if unknown or not cfg.path_list():
+            raise ValueError(f"paths={self.paths!r}: use a comma-separated list of {PATHS}")
+        if not 0 < cfg.fill <= 1:
+            raise ValueError(f"fill={cfg.fill} must be in (0, 1]")
+        if cfg.batch % cfg.micro:
+            raise ValueError(f"batch={cfg.batch} must be a multiple of micro={cfg.micro}")
+        return cfg
+
+    def path_list(self) -> list[str]:
+        return [p.strip() for p in self.paths.split(",") if p.strip()]
+
+
+def rollouts(batch: int, prompt: int, response: int, fill: float, vocab: int, seed: int) -> dict[str, Tensor]:
+    """Random rollouts whose valid lengths are uniform around `fill` of the padded widths (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    t = prompt + response
+    low_p, low_r = max(1, int(prompt * (2 * fill - 1))), max(1, int(response * (2 * fill - 1)))
+    p_len = torch.randint(low_p, prompt + 1, (batch,), generator=g)
+    r_len = torch.randint(low_r, response + 1, (batch,), generator=g)
+    pos = torch.arange(t)
+    mask = ((pos >= prompt - p_len[:, None]) & (pos < prompt + r_len[:, None])).long()
+    ids = torch.randint(0, vocab, (batch, t), generator=g)
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "responses": ids[:, prompt:],
+        "values": torch.randn(batch, response, generator=g) * 0.1,
+        "returns": torch.randn(batch, response, generator=g),
+    }
+
+
+def make_worker(cfg: BenchConfig, path: str) -> Any:
+    """The worker of one path, from one config and seed (so every path holds the same weights)."""
+    from ppo_critic.worker import CriticWorker, MegatronCriticWorker
+
+    model = {
+        "override_config": {
+            "model_type": "qwen2",
+            "hidden_size": cfg.hidden,
+            "intermediate_size": cfg.intermediate,
+            "num_hidden_layers": cfg.layers,
+            "num_attention_heads": cfg.heads,
+            "num_key_value_heads": cfg.kv_heads,
+            "vocab_size": cfg.vocab,
+            "max_position_embeddings": cfg.prompt + cfg.response,
+        },
+        "use_remove_padding": path == "packed",
+    }
+    critic = {
+        "strategy": "megatron" if path == "megatron" else "none",
+        "ppo_mini_batch_size": cfg.batch,
+        "ppo_micro_batch_size_per_gpu": cfg.micro,
+        "dtype": cfg.dtype,
+        "model": model,
+        "optim": {"lr": 1e-6},
+    }
+    cls = MegatronCriticWorker if path == "megatron" else CriticWorker
+    return cls(critic, device=cfg.device, seed=cfg.seed)
+
+
+def run(cfg: BenchConfig) -> dict[str, Any]:
+    """Measure every path; returns the summary that `main` prints and writes."""
+    cfg = cfg.resolved()
+    device = resolve_device(cfg.device)
+    workers = {path: make_worker(cfg, path) for path in cfg.path_list()}
+    batch = rollouts(cfg.batch, cfg.prompt, cfg.response, cfg.fill, cfg.vocab, cfg.seed)
+    valid = int(batch["attention_mask"].sum())
+    keys = ("compute_values", "update_critic", "compute_values_mfu", "update_critic_mfu", "peak_gb")
+    runs: dict[str, dict[str, list[float]]] = {p: {k: [] for k in keys} for p in workers}
+    for repeat in range(cfg.repeats + 1):  # the first round warms up and is not counted
+        for path, worker in workers.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            forward = _timed(lambda w=worker: w.compute_values(batch), device)
+            compute_mfu = worker.critic.last_compute_metrics.get("perf/compute_values_mfu", 0.0)
+            metrics: dict[str, float] = {}
+            update = _timed(lambda w=worker, m=metrics: m.update(w.update_critic(batch)), device)
+            if repeat:
+                row = runs[path]
+                row["compute_values"].append(valid / forward)
+                row["update_critic"].append(valid / update)
+                row["compute_values_mfu"].append(compute_mfu)
+                row["update_critic_mfu"].append(metrics.get("perf/mfu", 0.0))
+                row["peak_gb"].append(peak_memory_gb(device))
+    medians = {p: {k: statistics.median(v) for k, v in r.items()} for p, r in runs.items()}
+    base = medians.get("padded")
+    ratios = {p: {k: m[k] / base[k] for k in ("compute_values", "update_critic")} for p, m in medians.items() if base}
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "config": dataclasses.asdict(cfg),
+        "valid_tokens": valid,
+        "fill": valid / batch["attention_mask"].numel(),
+        "median": medians,
+        "vs_padded": ratios,
+        "runs": runs,
+    }
+
+
+def report(summary: dict[str, Any]) -> str:
+    """The table `ppo-critic bench` prints."""
+    cfg = summary["config"]
+    lines = [
+        f"{summary['device']}, torch {summary['torch']}, {cfg['dtype']}; {cfg['layers']} layers x {cfg['hidden']}, "
+        f"{cfg['batch']} x ({cfg['prompt']} + {cfg['response']}), fill {summary['fill']:.2f}, "
+        f"{summary['valid_tokens']} valid tokens",
+        f"{'path':10} {'values tok/s':>13} {'update tok/s':>13} {'values MFU':>11} {'update MFU':>11} "
+        f"{'peak GiB':>9} {'vs padded':>16}",
+    ]
+    for path, m in summary["median"].items():
+        ratio = summary["vs_padded"].get(path)
+        vs = f"{ratio['compute_values']:.2f}x / {ratio['update_critic']:.2f}x" if ratio else "-"
+        lines.append(
+            f"{path:10} {m['compute_values']:>13.0f} {m['update_critic']:>13.0f} {m['compute_values_mfu']:>11.3f} "
+            f"{m['update_critic_mfu']:>11.3f} {m['peak_gb']:>9.2f} {vs:>16}"
+        )
+    return "\n".join(lines)
+
+
+def main(overrides: list[str]) -> dict[str, Any]:
+    """Parse `key=value` options, run, print the table (and write JSON to `out`)."""
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"bench options must look like key=value, got {bad}")
+    text_fields = {f.name for f in dataclasses.fields(BenchConfig) if "str" in str(f.type)}
+    values = {}
+    for key, text in (o.split("=", 1) for o in overrides):
+        values[key] = (None if text == "null" else text) if key in text_fields else _parse(text)
+    cfg = from_mapping(BenchConfig, values)
+    summary = run(cfg)
+    print(report(summary))
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+def _parse(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
