@@ -338,6 +338,9 @@ def test_a_checkpoint_of_another_model_is_rejected_with_the_reason(tmp_path, sav
         other.load_checkpoint(tmp_path / "step_00000002")
     assert str(info.value).startswith(f"cannot load checkpoint {tmp_path / 'step_00000002'} into this model")
     assert state_hash(other.model, other.optimizer) == before
+    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
+        other.load_checkpoint(tmp_path / "step_00000009")
+    assert state_hash(other.model, other.optimizer) == before
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ def load_checkpoint(
     state_dict = {"model": model_sd, "optim": optim_sd, "extra": dict(tensors)}
     try:
         state = load_state_dicts(path, state_dict)
-    except ValueError:
+    except Exception:  # incomplete, unsafe or mismatching checkpoint
         if fresh_optimizer:  # nothing was loaded into it: make it fresh again
             optimizer.state.clear()
         raise
