@@ -69,6 +69,7 @@ class CriticWorker:
 
     def update_critic(self, batch: Any) -> dict[str, float]:
         """One critic update on the global batch; `critic/lr` is the rate it used, then the schedule advances.
+        The metrics include `perf/compute_values_*` of the latest `compute_values` (e.g. of this batch's values).
 
         Under DP each rank trains on its share of every global mini-batch, so a mini-batch holds the same rows
         as in a single process (without `shuffle`) and the update is the same.
@@ -79,7 +80,7 @@ class CriticWorker:
         metrics = self.critic.update_critic(batch)
         self.scheduler.step()
         self.step += 1
-        return metrics
+        return metrics | (self.critic.last_compute_metrics or {})  # + the perf of the latest compute_values
 
     def save_checkpoint(
         self,
