@@ -37,6 +37,7 @@ LATEST = "latest"
 METADATA = ".metadata"
 _TMP_PREFIX = ".tmp-step_"  # a checkpoint being written
 _DEL_PREFIX = ".del-step_"  # an old checkpoint being deleted
+_FRESH_OPTIMIZER = "optimizer_fresh"  # in the JSON state of a checkpoint saved before the optimizer's first step
 
 
 def save_checkpoint(
@@ -48,9 +49,21 @@ def save_checkpoint(
     state: dict[str, Any],
     keep_last_n: int | None = None,
 ) -> Path:
-    """Write model + optimizer + `tensors` (DCP) and `state` (JSON) as `root/step_<step>`; keep the newest n."""
+    """Write model + optimizer + `tensors` (DCP) and `state` (JSON) as `root/step_<step>`; keep the newest n.
+
+    Saving changes nothing: an optimizer that has not stepped yet gets zero state from `get_state_dict` (one lr=0
+    step, so Adam's step count would be one ahead); it is made fresh again, and so is the one a load restores.
+    """
+    fresh = not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return save_state_dicts(root, step, {"model": model_sd, "optim": optim_sd, "extra": tensors}, state, keep_last_n)
+    state = {**state, _FRESH_OPTIMIZER: True} if fresh else state
+    try:
+        return save_state_dicts(
+            root, step, {"model": model_sd, "optim": optim_sd, "extra": tensors}, state, keep_last_n
+        )
+    finally:
+        if fresh:
+            optimizer.state.clear()
 
 
 def save_state_dicts(
@@ -112,6 +125,8 @@ def load_checkpoint(
             optimizer.state.clear()
         raise
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+    if state.pop(_FRESH_OPTIMIZER, False):  # saved before the first step: the optimizer had no state
+        optimizer.state.clear()
     return state_dict["extra"], state
 
 
