@@ -1,8 +1,8 @@
 """Property tests (hypothesis) over random shapes, lengths and masks: validation, batching, packing and values raise
 only their documented errors (ValueError / TypeError with a message) and otherwise keep their promises.
 
-test_batching.py and test_packing.py hold the basic properties (dynamic budgets on positive lengths, 2-D pack/unpack);
-these extend them to zero lengths, invalid sizes, mrope positions, Ulysses slices, `compact`, and whole critics."""
+test_batching.py and test_packing.py hold the basic properties (dynamic budgets on positive lengths, 2-D pack/unpack,
+compact/expand); these extend them to zero lengths, invalid sizes, mrope positions, Ulysses slices and whole critics."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from conftest import state_hash, tiny_config
 from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.batch import Batch
 from ppo_critic.batching import dynamic_micro_batches, fixed_micro_batches, mini_batch_indices, restore_order
-from ppo_critic.packing import compact, pack
+from ppo_critic.packing import pack
 
 FAST = settings(max_examples=150, deadline=None)
 SLOW = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -251,26 +251,6 @@ def test_pack_unpack_is_the_identity_on_valid_positions(mask, mrope, width, sp):
         documented(err, "expected packed outputs of shape")
     else:
         raise AssertionError("unpack accepted outputs of the wrong length")
-
-
-@FAST
-@given(mask=masks())
-def test_compact_expand_is_the_identity_on_valid_positions(mask):
-    b, t = mask.shape
-    ids = torch.arange(b * t).view(b, t) + 1
-    c = compact(ids, mask, ids * 10)
-    lens = mask.sum(-1)
-    assert c.input_ids.shape == (b, max(int(lens.max()), 1))
-    for i in range(b):  # each row's valid tokens come first, in order, and only they are marked valid
-        n = int(lens[i])
-        assert c.input_ids[i, :n].tolist() == ids[i][mask[i].bool()].tolist()
-        assert c.valid[i].tolist() == [True] * n + [False] * (c.valid.shape[1] - n)
-        assert c.position_ids[i, :n].tolist() == (ids[i] * 10)[mask[i].bool()].tolist()
-    outputs = c.input_ids.float().requires_grad_()
-    back = c.expand(outputs)
-    assert torch.equal(back, (ids * mask).float())
-    back.sum().backward()  # gradients reach exactly the valid slots
-    assert torch.equal(outputs.grad, c.valid.float())
 
 
 # ---------------------------------------------------------------------------------------------------------------
