@@ -91,8 +91,8 @@ def test_resume_is_bit_identical_and_ignores_incomplete_checkpoints(tmp_path, mo
     rows_a = (straight / "metrics.jsonl").read_text().splitlines()
     rows_b = (resumed / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows_b] == [1, 2, 3, 4]
-    strip = [{k: v for k, v in json.loads(r).items() if k != "perf/tokens_per_s"} for r in rows_a]
-    assert strip == [{k: v for k, v in json.loads(r).items() if k != "perf/tokens_per_s"} for r in rows_b]
+    strip = [{k: v for k, v in json.loads(r).items() if not k.startswith("perf/")} for r in rows_a]
+    assert strip == [{k: v for k, v in json.loads(r).items() if not k.startswith("perf/")} for r in rows_b]
 
 
 def test_export_loads_with_from_pretrained_and_gives_the_same_values(tmp_path):
