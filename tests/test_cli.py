@@ -43,13 +43,23 @@ def test_train_help_lists_every_option_with_its_default(capsys):
         ("task.name=chess", "task.name='chess' is unknown"),
         ("steps", "key=value"),
         ("trainer.rollout_batch_size=10", "multiple of critic.ppo_mini_batch_size"),
+        ("backend=megatron megatron.context_parallel_size=2", "critic.megatron.context_parallel_size must be 1"),
+        ("megatron.tensor_parallel_size=2", "did you mean 'critic.megatron.tensor_model_parallel_size'"),
+        ("backend=deepspeed", "critic.strategy='deepspeed' is unknown"),
     ],
 )
 def test_bad_options_exit_2_with_a_message_naming_the_key(override, message, capsys, tmp_path):
-    code, text = run_cli(["train", f"trainer.run_dir={tmp_path}", override], capsys)
+    code, text = run_cli(["train", f"trainer.run_dir={tmp_path}", *override.split()], capsys)
     assert code == 2
     assert message in text
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_an_unwritable_run_directory_exits_2_with_the_os_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    code, text = run_cli(["train", f"trainer.run_dir={blocker}/run", "trainer.steps=1"], capsys)
+    assert code == 2 and "Not a directory" in text
 
 
 def test_a_malformed_rollout_file_is_reported_by_row(tmp_path, capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.run(args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, OSError, pickle.UnpicklingError) as err:  # bad options, files, disks
         args.subparser.error(str(err))  # exits with code 2
     return 2
 
