@@ -196,6 +196,21 @@ def test_non_finite_gradient_skips_the_step_and_training_continues(tiny_qwen2):
     assert state_hash(model, optimizer) != before
 
 
+def test_non_finite_loss_with_a_finite_gradient_skips_the_step(tiny_qwen2):
+    """Old values near the float32 limit saturate the clipped error: the loss is inf, its gradient 0."""
+    model = tiny_qwen2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    critic = make_critic(model, optimizer=optimizer)
+    batch = make_batch(8, 6, 5, seed=5)
+    critic.update_critic(batch)
+    before = state_hash(model, optimizer)
+    saturated = edited(batch, values=torch.full_like(batch["values"], 3e38), returns=torch.zeros_like(batch["returns"]))
+    metrics = critic.update_critic(saturated)
+    assert metrics["critic/skipped_steps"] == 1 and not np.isfinite(metrics["critic/vf_loss"])
+    assert state_hash(model, optimizer) == before
+    assert critic.update_critic(batch)["critic/skipped_steps"] == 0
+
+
 def test_dataproto_meta_info_overrides_forward_settings(tiny_qwen2, monkeypatch):
     model = tiny_qwen2()
     batch = make_batch(8, 6, 5, seed=6)

@@ -262,11 +262,6 @@ def test_ulysses_size_not_dividing_the_world(tiny_qwen2):
         dist.destroy_process_group()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug (critics/dp.py): DataParallelPPOCritic.__init__ switches the module to the varlen attention "
-    "(use_packed_attention) before parallel_groups/check_heads_of reject the config; remove this marker once fixed",
-)
 def test_rejected_ulysses_config_leaves_the_model_attention_alone(tiny_qwen2):
     model, optimizer = fresh_critic_parts(tiny_qwen2)
     before = model.config._attn_implementation
@@ -276,11 +271,6 @@ def test_rejected_ulysses_config_leaves_the_model_attention_alone(tiny_qwen2):
     DataParallelPPOCritic(CRITIC, model, optimizer).compute_values(GOOD)  # the padded path still works
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug (critics/base.py): token ids >= the model's vocabulary are not checked before the first step; "
-    "the embedding raises IndexError in the second mini-batch after the first step was taken; remove once fixed",
-)
 def test_token_id_beyond_the_vocabulary_is_rejected_before_any_step(warm_critic):
     ids = GOOD["input_ids"].clone()
     ids[6, 8] = warm_critic.critic_module.config.vocab_size

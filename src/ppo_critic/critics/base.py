@@ -142,6 +142,7 @@ class PPOCriticBase:
     sp_size: int = 1
     micro_batch_multiple: int = 1  # the micro-batch count is rounded up to a multiple of this (megatron VPP)
     perf: Perf
+    vocab_size: int | None = None  # the embedding's rows, when the backend knows them
     last_compute_metrics: dict[str, float] | None = None
 
     @torch.no_grad()
@@ -153,6 +154,7 @@ class PPOCriticBase:
         """
         batch = Batch.from_any(data)
         batch.validate()
+        self._check_token_ids(batch)
         self._check_batch(batch)
         meta = batch.meta_info
         use_dynamic = bool(meta.get("use_dynamic_bsz", self.config.use_dynamic_bsz))
@@ -177,6 +179,7 @@ class PPOCriticBase:
         cfg = self.config
         batch = Batch.from_any(data)
         batch.validate(require_targets=True)
+        self._check_token_ids(batch)
         self._check_batch(batch)
         mini_batch_indices(len(batch), cfg.ppo_mini_batch_size)  # raises if B is not a multiple
         max_token_len = cfg.ppo_max_token_len_per_gpu * self.sp_size
@@ -196,6 +199,16 @@ class PPOCriticBase:
     def _metrics(self, metrics: UpdateMetrics, batch: Batch, elapsed_s: float) -> dict[str, float]:
         return metrics.result(batch, self._lr(), elapsed_s, self.config.ppo_epochs, self._all_reduce, self.perf)
 
+    def _check_token_ids(self, batch: Batch) -> None:
+        """Token ids must index the model's vocabulary (checked before any step, not in a later mini-batch)."""
+        largest = int(batch["input_ids"].max()) if batch["input_ids"].numel() else -1
+        if self.vocab_size is not None and largest >= self.vocab_size:
+            raise ValueError(
+                f"input_ids holds token id {largest}, but the model's vocabulary has {self.vocab_size} entries "
+                f"(ids 0..{self.vocab_size - 1}); tokenize with the critic's tokenizer, or build the model with a "
+                "larger vocab_size (critic.model.override_config.vocab_size)"
+            )
+
     def _check_batch(self, batch: Batch) -> None:
         """Backend-specific input checks (after `Batch.validate`, before any state changes)."""
 
@@ -210,6 +223,10 @@ class PPOCriticBase:
 
     def _lr(self) -> float:
         raise NotImplementedError
+
+    def _loss_is_finite(self, step_loss: Tensor) -> bool:
+        """Whether the step's loss is finite on every data-parallel rank (all ranks then skip together)."""
+        return bool(torch.isfinite(self._all_reduce(step_loss.detach().double())).all())
 
     def _loss_denominators(self, mini_batch: Batch) -> dict[str, Tensor]:
         """The global denominators of DESIGN §3: this mini-batch's counts summed over the DP ranks."""

@@ -32,8 +32,6 @@ class DataParallelPPOCritic(PPOCriticBase):
     def __init__(self, config: Any, critic_module: nn.Module, critic_optimizer: torch.optim.Optimizer):
         self.config = CriticConfig.from_any(config)
         self.use_remove_padding = self.config.model.use_remove_padding
-        if self.use_remove_padding:
-            use_packed_attention(critic_module, self.config.model.attn_implementation)
         self.critic_module = critic_module
         self.critic_optimizer = critic_optimizer
         self.device = next(critic_module.parameters()).device
@@ -43,9 +41,14 @@ class DataParallelPPOCritic(PPOCriticBase):
         self.dp_group, self.dp_size = self.groups.dp_group, self.groups.dp_size
         if self.sp_size > 1:
             check_heads_of(critic_module, self.sp_size)
-        hf_config = getattr(getattr(critic_module, "module", critic_module), "config", None)
+        inner = getattr(critic_module, "module", critic_module)  # DDP / FSDP1
+        hf_config = getattr(inner, "config", None)
         shape = ModelShape.from_hf(hf_config) if hf_config is not None else None
         self.perf = Perf(shape, self.groups.world_size, self.device, self.compute_dtype)
+        if hasattr(inner, "get_input_embeddings"):
+            self.vocab_size = inner.get_input_embeddings().num_embeddings
+        if self.use_remove_padding:  # last: a rejected config leaves the model as it was
+            use_packed_attention(critic_module, self.config.model.attn_implementation)
 
     def _values(self, batch: Batch, groups: list[list[int]]) -> Tensor:
         outputs = [self._forward_micro_batch(batch.index(g or [0])) for g in groups]  # [] keeps ranks in step
@@ -85,6 +88,8 @@ class DataParallelPPOCritic(PPOCriticBase):
             average_plain_gradients(self.critic_module, self.groups.world_size)
         with timer("optimizer"):
             grad_norm = clip_grad_norm(self.critic_module, cfg.grad_clip)
+            if not self._loss_is_finite(step_loss):  # e.g. saturated clipping: finite gradient, infinite loss
+                grad_norm = torch.full_like(grad_norm, float("nan"))  # skipped and counted like a bad gradient
             if torch.isfinite(grad_norm):
                 self.critic_optimizer.step()
             self.critic_optimizer.zero_grad(set_to_none=True)

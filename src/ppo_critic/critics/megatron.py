@@ -23,6 +23,7 @@ from ppo_critic.batching import restore_order
 from ppo_critic.config import CriticConfig
 from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics
 from ppo_critic.packing import CompactBatch, compact
+from ppo_critic.parallel.megatron import unwrap
 from ppo_critic.perf import ModelShape
 
 # (micro-batch, whether it holds real rows, its values [b, R]) -> (loss to backpropagate, extra outputs)
@@ -82,6 +83,7 @@ class MegatronPPOCritic(PPOCriticBase):
         self.interleaved = len(chunks) > 1
         self.micro_batch_multiple = self.pp_size if self.interleaved else 1
         self.tf_config.variable_seq_lengths = not self.interleaved
+        self.vocab_size = getattr(unwrap(chunks[0]), "vocab_size", None)
         shape, world = ModelShape.from_megatron(self.tf_config), torch.distributed.get_world_size()
         self.perf = Perf(shape, world, self.device, self.tf_config.params_dtype)
 
@@ -135,16 +137,25 @@ class MegatronPPOCritic(PPOCriticBase):
             outputs = self._run(mini_batch, groups, forward_only=False, fn=loss_fn)
         step_loss = torch.stack([o["loss"] for o in outputs]).sum() if outputs else torch.zeros((), device=self.device)
         with metrics.timer("optimizer"):
-            grad_norm = self._clip_and_step()
+            grad_norm = self._clip_and_step(self._loss_is_finite(step_loss))
         metrics.add_step(step_loss, grad_norm)
 
-    def _clip_and_step(self) -> Tensor:
-        """Global gradient norm (over DP, TP and PP); the step is taken only when it is finite."""
+    def _loss_is_finite(self, step_loss: Tensor) -> bool:
+        """As for every critic, but the loss exists on the last pipeline stage only."""
+        step_loss = step_loss.detach().double().reshape(1)
+        if self.pp_size > 1:
+            torch.distributed.broadcast(step_loss, self.last_stage_rank, group=self.pp_group)
+        return super()._loss_is_finite(step_loss)
+
+    def _clip_and_step(self, loss_is_finite: bool) -> Tensor:
+        """Global gradient norm (over DP, TP and PP); the step is taken only when it and the loss are finite
+        (a non-finite loss reports a NaN norm, so the skip is counted)."""
         optimizer = self.critic_optimizer
         found_inf = optimizer.prepare_grads()  # main (fp32) grads from the DDP buffers; fp16 overflow check
         clip = self.config.grad_clip
         norm = optimizer.clip_grad_norm(clip) if clip else optimizer.get_grad_norm()
-        norm = torch.tensor(float("inf") if found_inf else float(norm), dtype=torch.float64, device=self.device)
+        norm = float("inf") if found_inf else float(norm) if loss_is_finite else float("nan")
+        norm = torch.tensor(norm, dtype=torch.float64, device=self.device)
         if torch.isfinite(norm):
             optimizer.step_with_ready_grads()
         optimizer.zero_grad()
