@@ -17,6 +17,7 @@ from ppo_critic.algos import (
     agg_loss,
     compute_gae_advantage_return,
     compute_value_loss,
+    doubled_error_loss,
     explained_variance,
     masked_mean,
     masked_var,
@@ -420,3 +421,65 @@ def test_explained_variance_constant_inexact_target_is_zero():
     y_true = torch.full((1, 7), 0.1)
     y_pred = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]])
     assert explained_variance(y_pred, y_true, torch.ones(1, 7)).item() == 0.0
+
+
+# --- Huber value loss (critic.vf_loss_type=huber) ---
+
+
+def test_huber_is_half_the_squared_error_inside_delta_and_linear_beyond():
+    err = torch.tensor([-3.0, -1.0, -0.25, 0.0, 0.5, 1.0, 2.5])
+    delta = 1.0
+    expected = torch.where(err.abs() <= delta, 0.5 * err**2, delta * (err.abs() - 0.5 * delta))
+    assert_close(0.5 * doubled_error_loss(err, "huber", delta), expected)
+    assert_close(doubled_error_loss(err, "mse"), err**2)
+    # the gradient of the halved loss is the error inside δ and ±δ outside
+    err = err.clone().requires_grad_(True)
+    (0.5 * doubled_error_loss(err, "huber", delta)).sum().backward()
+    assert_close(err.grad, err.detach().clamp(-delta, delta))
+
+
+@pytest.mark.parametrize("cliprange", [None, 0.2])
+def test_huber_value_loss_keeps_the_clipped_formulation(cliprange):
+    g = torch.Generator().manual_seed(3)
+    vpreds, returns, values = (torch.randn(4, 6, generator=g) * 2 for _ in range(3))
+    mask = torch.ones(4, 6)
+    mask[1, 4:] = 0
+    delta = 0.7
+    loss, clipfrac = compute_value_loss(vpreds, returns, values, mask, cliprange, loss_type="huber", huber_delta=delta)
+
+    def huber(e):
+        return torch.where(e.abs() <= delta, 0.5 * e**2, delta * (e.abs() - 0.5 * delta))
+
+    elementwise = huber(vpreds - returns)
+    if cliprange is not None:
+        elementwise = torch.maximum(
+            elementwise, huber(values + (vpreds - values).clamp(-cliprange, cliprange) - returns)
+        )
+    assert_close(loss, (elementwise * mask).sum() / mask.sum())
+    _, mse_clipfrac = compute_value_loss(vpreds, returns, values, mask, cliprange)
+    assert_close(clipfrac, mse_clipfrac)  # both losses grow with |error|: the same tokens are clipped
+
+
+def test_huber_with_errors_inside_delta_equals_mse():
+    g = torch.Generator().manual_seed(4)
+    vpreds, returns, values = (torch.rand(3, 5, generator=g) for _ in range(3))  # errors < 1
+    mask = torch.ones(3, 5)
+    huber, _ = compute_value_loss(vpreds, returns, values, mask, 0.5, loss_type="huber", huber_delta=1.0)
+    mse, _ = compute_value_loss(vpreds, returns, values, mask, 0.5)
+    assert_close(huber, mse, rtol=0, atol=0)
+
+
+def test_unknown_loss_type_is_rejected():
+    with pytest.raises(ValueError, match="vf_loss_type='l1' is unknown"):
+        compute_value_loss(
+            torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), None, loss_type="l1"
+        )
+
+
+def test_critic_config_checks_loss_type_and_delta():
+    from ppo_critic import CriticConfig
+
+    with pytest.raises(ValueError, match="vf_loss_type='l1' is unknown"):
+        CriticConfig.from_any({"vf_loss_type": "l1"})
+    with pytest.raises(ValueError, match=r"huber_delta=0\.0 must be a positive number"):
+        CriticConfig.from_any({"vf_loss_type": "huber", "huber_delta": 0})

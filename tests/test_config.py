@@ -101,7 +101,7 @@ def test_unknown_keys_are_named_with_a_suggestion():
         ({"model": {"value_head_init": "normal:abc"}}, "model.value_head_init='normal:abc' is invalid"),
         ({"model": {"value_head_dtype": "fp8"}}, "model.value_head_dtype='fp8' is unknown"),
         ({"model": {"head": "mlp"}}, "model.head='mlp' is unknown"),
-        ({"model": {"lora_rank": 8}}, "model.lora_rank=8"),
+        ({"model": {"lora_rank": -1}}, "model.lora_rank=-1 must be an integer >= 0"),
         ({"optim": {"betas": [0.9, 1.5]}}, "optim.betas"),
         ({"optim": {"warmup_style": "linear"}}, "optim.warmup_style='linear' is unknown"),
     ],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -158,3 +160,121 @@ def test_bad_sources_are_named():
         build_value_model(tiny_config("qwen2"), value_head_init="uniform")
     with pytest.raises(ValueError, match="value_head_dtype"):
         build_value_model(tiny_config("qwen2"), value_head_dtype="float8")
+
+
+# --- value_head_init=from_reward_model:<dir> ---
+
+
+def _padded_ids(batch, pad_id=0):
+    """Token ids with the pad id at padding and nowhere else, so a sequence-classification model can find the
+    last token of each row (`input_ids != pad_id`)."""
+    ids = batch["input_ids"].clamp(min=1)
+    return torch.where(batch["attention_mask"].bool(), ids, pad_id)
+
+
+def _last_token_scores(critic, batch, ids):
+    out = critic(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    last = batch["attention_mask"].shape[1] - 1 - batch["attention_mask"].flip(-1).argmax(-1)  # right padding
+    return out.logits.squeeze(-1)[torch.arange(len(ids)), last]
+
+
+@pytest.mark.parametrize("head", ["auto", "generic"])
+def test_reward_model_critic_reproduces_the_sequence_classifier_score_exactly(tmp_path, head):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    fields = tiny_config("qwen2")
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, num_labels=1, pad_token_id=0)
+    torch.manual_seed(3)
+    rm = AutoModelForSequenceClassification.from_config(config).eval()
+    torch.nn.init.normal_(rm.score.weight, std=0.5)
+    rm.save_pretrained(tmp_path / "rm")
+    critic = build_value_model(tiny_config("qwen2"), head=head, value_head_init=f"from_reward_model:{tmp_path / 'rm'}")
+    batch = make_batch(8, 6, 5, seed=2)
+    ids = _padded_ids(batch)
+    with torch.no_grad():
+        expected = rm(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+        got = _last_token_scores(critic.eval(), batch, ids)
+    assert torch.equal(got, expected.logits.squeeze(-1))
+    assert expected.logits.std() > 0.1  # a real score, not a constant
+
+
+def test_reward_model_with_a_trl_value_head(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = tiny_config("qwen2")
+    torch.manual_seed(4)
+    lm = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields)).eval()
+    v_head = nn.Linear(lm.config.hidden_size, 1)
+    state = {**lm.state_dict(), "v_head.summary.weight": v_head.weight.data, "v_head.summary.bias": v_head.bias.data}
+    lm.save_pretrained(tmp_path / "trl", state_dict=state)
+    critic = build_value_model(tiny_config("qwen2"), value_head_init=f"from_reward_model:{tmp_path / 'trl'}").eval()
+    batch = make_batch(8, 6, 5, seed=5)
+    with torch.no_grad():
+        hidden = lm.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).last_hidden_state
+        expected = v_head(hidden).squeeze(-1)
+        out = critic(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        )
+    mask = batch["attention_mask"].bool()
+    torch.testing.assert_close(out.logits.squeeze(-1)[mask], expected[mask], rtol=0, atol=1e-6)
+
+
+def test_reward_model_from_an_exported_generic_critic(tmp_path):
+    from ppo_critic.checkpoint import export_hf
+
+    torch.manual_seed(5)
+    original = build_value_model(tiny_config("qwen2"), head="generic", value_head_init="normal:0.3").eval()
+    export_hf(original, tmp_path / "exported")
+    copy = build_value_model(tiny_config("qwen2"), value_head_init=f"from_reward_model:{tmp_path / 'exported'}")
+    batch = make_batch(8, 6, 5, seed=6)
+    opt = torch.optim.SGD(original.parameters(), lr=0.0)
+    a = DataParallelPPOCritic({"ppo_mini_batch_size": 8}, original, opt).compute_values(batch)
+    b = DataParallelPPOCritic({"ppo_mini_batch_size": 8}, copy, opt).compute_values(batch)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert a.abs().sum() > 0
+
+
+def test_reward_models_that_do_not_fit_are_explained(tmp_path):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    fields = tiny_config("qwen2")
+    two = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    two.save_pretrained(tmp_path / "two_labels")  # num_labels=2 by default
+    with pytest.raises(ValueError, match=r"no scalar head.*num_labels=1"):
+        build_value_model(tiny_config("qwen2"), value_head_init=f"from_reward_model:{tmp_path / 'two_labels'}")
+    fields = tiny_config("qwen2")
+    one = AutoModelForSequenceClassification.from_config(
+        AutoConfig.for_model(fields.pop("model_type"), **fields, num_labels=1)
+    )
+    one.save_pretrained(tmp_path / "rm")
+    with pytest.raises(ValueError, match=r"does not fit the critic's backbone: missing \[\], unexpected \['layers.1"):
+        build_value_model(
+            tiny_config("qwen2", num_hidden_layers=1), value_head_init=f"from_reward_model:{tmp_path / 'rm'}"
+        )
+    with pytest.raises(ValueError, match=r"does not fit the critic's backbone: .*size mismatch"):
+        build_value_model(tiny_config("qwen2", hidden_size=32), value_head_init=f"from_reward_model:{tmp_path / 'rm'}")
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        build_value_model(tiny_config("qwen2"), value_head_init="from_reward_model:/nonexistent/rm")
+
+
+def test_fp32_head_under_bf16_autocast_with_packing():
+    """Remove-padding critic in bf16 autocast: the head runs in fp32 on the packed row, and trains in fp32."""
+    torch.manual_seed(0)
+    model = build_value_model(tiny_config("qwen2"), value_head_init="normal:0.3", value_head_dtype="float32")
+    cfg = {"ppo_mini_batch_size": 8, "dtype": "bfloat16", "model": {"use_remove_padding": False}}
+    padded = DataParallelPPOCritic(cfg, copy.deepcopy(model), None)
+    head = model.score
+    seen = []
+    head.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    cfg["model"] = {"use_remove_padding": True}
+    critic = DataParallelPPOCritic(cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    batch = make_batch(8, 6, 5, seed=7)
+    values = critic.compute_values(batch)
+    assert seen and all(dtype == torch.float32 for dtype in seen)  # bf16 hidden states in, fp32 values out
+    torch.testing.assert_close(values, padded.compute_values(batch), rtol=0.05, atol=0.05)  # bf16 backbone
+    batch["values"] = values
+    before = head.weight.detach().clone()
+    critic.update_critic(batch)
+    assert head.weight.dtype == torch.float32 and not torch.equal(head.weight, before)

@@ -1,4 +1,4 @@
-"""PPO value-function math: clipped value loss, loss aggregation, GAE and masked statistics.
+"""PPO value-function math: clipped value loss (squared or Huber error), loss aggregation, GAE and masked statistics.
 
 Every function takes a 0/1 (or bool) mask and never lets values at masked positions reach the result or
 its gradient: masked entries are replaced by zero *before* any arithmetic, so NaN/Inf padding is harmless.
@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+VF_LOSS_TYPES = ("mse", "huber")
 
 
 def _masked(x: Tensor, mask: Tensor) -> Tensor:
@@ -103,6 +104,20 @@ def agg_loss(
     return total / denom * dp_size
 
 
+def doubled_error_loss(err: Tensor, loss_type: str = "mse", huber_delta: float = 1.0) -> Tensor:
+    """Twice the per-token loss of an error: `err²` (mse), or for `huber` `err²` where |err| ≤ δ and
+    `2δ·|err| − δ²` beyond (twice the Huber loss: quadratic near 0, linear in the tails, C¹ at ±δ).
+
+    Doubled so that `0.5 ·` this is the loss, as in verl's `0.5·(v−R)²`; mse and huber agree for |err| ≤ δ.
+    """
+    if loss_type == "mse":
+        return err**2
+    if loss_type != "huber":
+        raise ValueError(f"vf_loss_type={loss_type!r} is unknown; expected one of {VF_LOSS_TYPES}")
+    abs_err = err.abs()
+    return torch.where(abs_err <= huber_delta, err**2, 2 * huber_delta * abs_err - huber_delta**2)
+
+
 def compute_value_loss(
     vpreds: Tensor,
     returns: Tensor,
@@ -110,20 +125,24 @@ def compute_value_loss(
     response_mask: Tensor,
     cliprange_value: float | None,
     loss_agg_mode: str = "token-mean",
+    *,
+    loss_type: str = "mse",
+    huber_delta: float = 1.0,
     **norm,
 ) -> tuple[Tensor, Tensor]:
-    """Clipped PPO value loss `0.5·agg(max((v−R)², (clip(v, v_old±c)−R)²))` and the clipped fraction.
+    """Clipped PPO value loss `0.5·agg(max(ℓ(v−R), ℓ(clip(v, v_old±c)−R)))` and the clipped fraction, where
+    ℓ is `doubled_error_loss` (`loss_type` mse: ℓ(e) = e², verl's loss; huber: quadratic within `huber_delta`).
 
     `cliprange_value=None` turns clipping off. `norm` is forwarded to `agg_loss` (global denominators).
     """
     mask = response_mask.bool()
     vpreds, returns, values = _masked(vpreds, mask), _masked(returns, mask), _masked(values, mask)
-    unclipped = (vpreds - returns) ** 2
+    unclipped = doubled_error_loss(vpreds - returns, loss_type, huber_delta)
     if cliprange_value is None:
         loss_mat, clipfrac = unclipped, torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
     else:
         vclipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
-        clipped = (vclipped - returns) ** 2
+        clipped = doubled_error_loss(vclipped - returns, loss_type, huber_delta)
         loss_mat = torch.maximum(unclipped, clipped)
         clipfrac = masked_mean((clipped > unclipped).to(vpreds.dtype), mask)
     return 0.5 * agg_loss(loss_mat, mask, loss_agg_mode, **norm), clipfrac

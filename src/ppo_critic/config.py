@@ -16,12 +16,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ppo_critic.algos import LOSS_AGG_MODES
+from ppo_critic.algos import LOSS_AGG_MODES, VF_LOSS_TYPES
+from ppo_critic.value_norm import VALUE_NORM_MODES
 
 STRATEGIES = ("fsdp2", "fsdp", "ddp", "none", "megatron")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 DTYPES |= {"float16": "float16", "fp16": "float16"}
-VALUE_HEAD_INIT = re.compile(r"^(default|zero|normal:(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?)$")
+VALUE_HEAD_INIT = re.compile(r"^(default|zero|normal:(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?|from_reward_model:.+)$")
+VALUE_HEAD_INIT_HELP = "use 'default', 'zero', 'normal:<std>' or 'from_reward_model:<path>'"
+OFFLOAD_KEYS = ("param_offload", "optimizer_offload")  # verl's names under model.fsdp_config
 HEAD_KINDS = ("auto", "token_classification", "generic")
 WARMUP_STYLES = ("constant", "cosine")
 OPTIMIZERS = ("adamw", "sgd")
@@ -122,6 +125,9 @@ class CriticConfig:
     cliprange_value: float | None = 0.5
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None
+    vf_loss_type: str = "mse"
+    huber_delta: float = 1.0
+    value_norm: str = "off"
     grad_clip: float | None = 1.0
     ulysses_sequence_parallel_size: int = 1
     dtype: str | None = None
@@ -189,10 +195,17 @@ class CriticConfig:
             ],
         )
         errors += _choice_errors(
-            {"loss_agg_mode": (self.loss_agg_mode, LOSS_AGG_MODES), "strategy": (self.strategy, STRATEGIES)}
+            {
+                "loss_agg_mode": (self.loss_agg_mode, LOSS_AGG_MODES),
+                "strategy": (self.strategy, STRATEGIES),
+                "vf_loss_type": (self.vf_loss_type, VF_LOSS_TYPES),
+                "value_norm": (self.value_norm, VALUE_NORM_MODES),
+            }
         )
         if self.dtype is not None and self.dtype not in DTYPES:
             errors.append(f"dtype={self.dtype!r} is unknown; use one of {sorted(DTYPES)} or null for the default")
+        if not (isinstance(self.huber_delta, int | float) and self.huber_delta > 0):
+            errors.append(f"huber_delta={self.huber_delta!r} must be a positive number")
         for name in ("cliprange_value", "grad_clip", "loss_scale_factor"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and value > 0):
@@ -218,6 +231,15 @@ class CriticConfig:
                 errors.append(
                     "ulysses_sequence_parallel_size must be 1 with strategy=megatron (use megatron's tensor parallel)"
                 )
+            if self.value_norm != "off":
+                errors.append(f"value_norm={self.value_norm} is not supported with strategy=megatron yet; set off")
+            if self.model.lora_rank:
+                errors.append("model.lora_rank > 0 (LoRA) is not supported with strategy=megatron; set 0")
+            if self.model.value_head_dtype is not None:
+                errors.append(
+                    "model.value_head_dtype is not supported with strategy=megatron (its output layer computes in the "
+                    "model's dtype, with fp32 main weights in the optimizer); set null"
+                )
         errors += self.model_errors() + self.optim_errors()
         if errors:
             raise ValueError("invalid critic config:\n  - " + "\n  - ".join(prefix + e for e in errors))
@@ -226,15 +248,31 @@ class CriticConfig:
         m = self.model
         errors = _choice_errors({"model.head": (m.head, HEAD_KINDS)})
         if not isinstance(m.value_head_init, str) or not VALUE_HEAD_INIT.match(m.value_head_init):
-            errors.append(
-                f"model.value_head_init={m.value_head_init!r} is invalid; use 'default', 'zero' or 'normal:<std>'"
-            )
+            errors.append(f"model.value_head_init={m.value_head_init!r} is invalid; {VALUE_HEAD_INIT_HELP}")
         if m.value_head_dtype is not None and m.value_head_dtype not in DTYPES:
             errors.append(f"model.value_head_dtype={m.value_head_dtype!r} is unknown; use one of {sorted(DTYPES)}")
-        if m.lora_rank:
-            errors.append(f"model.lora_rank={m.lora_rank}: LoRA critics are not supported yet; set 0")
+        if isinstance(m.lora_rank, bool) or not isinstance(m.lora_rank, int) or m.lora_rank < 0:
+            errors.append(f"model.lora_rank={m.lora_rank!r} must be an integer >= 0 (0: no LoRA)")
+        if m.lora_rank and not (isinstance(m.lora_alpha, int | float) and m.lora_alpha > 0):
+            errors.append(f"model.lora_alpha={m.lora_alpha!r} must be a positive number")
+        if m.lora_rank and self.strategy == "fsdp":
+            errors.append("model.lora_rank > 0 (LoRA) is not supported with strategy=fsdp (FSDP1); use fsdp2 or ddp")
         if m.enable_activation_offload:
-            errors.append("model.enable_activation_offload=true is not supported yet; set false")
+            errors.append(
+                "model.enable_activation_offload=true is not supported; set false (use "
+                "model.enable_gradient_checkpointing=true to save activation memory)"
+            )
+        offload = {key: m.fsdp_config.get(key, False) for key in OFFLOAD_KEYS}
+        for key, value in offload.items():
+            if not isinstance(value, bool):
+                errors.append(f"model.fsdp_config.{key}={value!r} must be true or false")
+            elif value and self.strategy != "fsdp2":
+                errors.append(f"model.fsdp_config.{key}=true needs strategy=fsdp2 (FSDP2's CPUOffloadPolicy)")
+        if offload["optimizer_offload"] is True and offload["param_offload"] is False:
+            errors.append(
+                "model.fsdp_config.optimizer_offload=true alone is not supported: FSDP2's CPUOffloadPolicy keeps the "
+                "optimizer state on the CPU together with the parameters; set param_offload=true as well"
+            )
         return errors
 
     def optim_errors(self) -> list[str]:

@@ -10,6 +10,8 @@ import copy
 import dataclasses
 import os
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,12 +39,19 @@ DEFAULT_MODEL = {
 
 @dataclass
 class TrainerConfig:
-    """The loop around the critic. `rollout_batch_size` rollouts per step; checkpoints under `run_dir`."""
+    """The loop around the critic. `rollout_batch_size` rollouts per step; checkpoints under `run_dir`.
+
+    `critic_warmup_steps`: during the first N steps the returns are Monte-Carlo (GAE with λ = 1), so an untrained
+    critic does not bootstrap from its own values; afterwards GAE uses `lam`. (verl's `trainer.critic_warmup`
+    means something else — N steps in which the actor is frozen and only the critic trains; this trainer has no
+    actor, so in verl's sense every step is a critic-warmup step.)
+    """
 
     steps: int = 400
     rollout_batch_size: int = 192
     gamma: float = 1.0
     lam: float = 0.95
+    critic_warmup_steps: int = 0
     eval_size: int = 512
     eval_every: int = 10
     save_every: int = 50
@@ -93,6 +102,8 @@ class TrainConfig:
         for name in ("steps", "rollout_batch_size", "eval_size", "eval_every"):
             if getattr(t, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(t, name)} must be >= 1")
+        if t.critic_warmup_steps < 0:
+            raise ValueError(f"trainer.critic_warmup_steps={t.critic_warmup_steps} must be >= 0")
         if t.save_every < 0 or t.keep_last_n < 0:
             raise ValueError("trainer.save_every and trainer.keep_last_n must be >= 0 (0: only at the end / keep all)")
         if not (0 <= t.gamma <= 1 and 0 <= t.lam <= 1):
@@ -205,10 +216,14 @@ def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float) -> di
     return metrics
 
 
-def train(cfg: TrainConfig, out=sys.stdout) -> dict[str, float]:
+def train(
+    cfg: TrainConfig, out=sys.stdout, on_step: Callable[[int, dict[str, float], float], None] | None = None
+) -> dict[str, float]:
     """Run (or resume) the job in `cfg.trainer.run_dir`; returns the last metrics row.
 
-    Under torchrun every rank trains its share; the first rank alone writes files and prints.
+    Under torchrun every rank trains its share; the first rank alone writes files and prints. `on_step(step,
+    metrics, train_s)` is called after every step (benchmarks): `train_s` is the wall time spent in training
+    iterations so far in this call (rollouts, values, returns, update), without evaluation and checkpoints.
     """
     from omegaconf import OmegaConf
 
@@ -220,29 +235,33 @@ def train(cfg: TrainConfig, out=sys.stdout) -> dict[str, float]:
     worker = make_worker(cfg)
     lead = worker.rank == 0
     out = out if lead else open(os.devnull, "w")  # noqa: SIM115 - closed with the process
-    resolved = OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
     if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
+        resolved = OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
+        (run_dir / "config.yaml").write_text(resolved)
         print(resolved, file=out)
     checkpoint = None if t.resume == "never" else latest_checkpoint(ckpt_root) if t.resume == "auto" else Path(t.resume)
     if checkpoint is not None:
         tensors, state = worker.load_checkpoint(checkpoint, source.state()[0])
         source.load_state(tensors, state)
         print(f"resumed from {checkpoint} at step {worker.step}", file=out)
-    if lead:  # after a successful resume only: a failed one leaves the run's config as it was
-        (run_dir / "config.yaml").write_text(resolved)
     log = RunLog(run_dir, resume_step=worker.step, tensorboard=t.tensorboard) if lead else None
     metrics: dict[str, float] = {}
     progress = _Progress(t, worker.step, enabled=lead)
+    train_s = 0.0
     try:
         while worker.step < t.steps:
+            start = time.perf_counter()
             metrics = _iteration(worker, source, t)
+            train_s += time.perf_counter() - start
             step = worker.step
             if step % t.eval_every == 0 or step == t.steps:
                 metrics |= evaluate(worker, source.eval_batch, t.gamma)
             if log is not None:
                 log.log(step, metrics)
             progress.update(metrics)
+            if on_step is not None:
+                on_step(step, metrics, train_s)
             if (t.save_every and step % t.save_every == 0) or step == t.steps:
                 tensors, state = source.state()
                 worker.save_checkpoint(ckpt_root, tensors, state, keep_last_n=t.keep_last_n or None)
@@ -260,8 +279,9 @@ def train(cfg: TrainConfig, out=sys.stdout) -> dict[str, float]:
 def _iteration(worker: CriticWorker, source: TaskSource | FileSource, t: TrainerConfig) -> dict[str, float]:
     batch = source.next_batch()
     batch["values"] = worker.compute_values(batch)
+    lam = 1.0 if worker.step < t.critic_warmup_steps else t.lam  # Monte-Carlo returns while the critic warms up
     _, batch["returns"] = compute_gae_advantage_return(
-        batch["token_level_rewards"], batch["values"], batch["response_mask"], t.gamma, t.lam
+        batch["token_level_rewards"], batch["values"], batch["response_mask"], t.gamma, lam
     )
     return worker.update_critic(batch)
 

@@ -51,8 +51,11 @@ class CriticWorker:
         self.hf_config = model.config
         if self.config.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.model = parallelize(model, self.config.strategy, self.device)
-        self.optimizer = _torch_optimizer(self.model.parameters(), optim)
+            if self.config.model.lora_rank:
+                model.enable_input_require_grads()  # else checkpointed layers of a frozen backbone get no grads
+        offload = bool(self.config.model.fsdp_config.get("param_offload", False))
+        self.model = parallelize(model, self.config.strategy, self.device, cpu_offload=offload)
+        self.optimizer = _torch_optimizer([p for p in self.model.parameters() if p.requires_grad], optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.critic = DataParallelPPOCritic(per_rank_config(self.config, self.dp_size), self.model, self.optimizer)
         self.step = 0
@@ -89,8 +92,9 @@ class CriticWorker:
         state: dict[str, Any] | None = None,
         keep_last_n: int | None = None,
     ) -> Path:
-        """Model, optimizer, schedule, torch RNG and step, plus the caller's `tensors` and JSON `state`."""
-        tensors = {"rng/torch": torch.get_rng_state(), **(tensors or {})}
+        """Model, optimizer, schedule, torch RNG, step and value-normalisation statistics, plus the caller's
+        `tensors` and JSON `state`."""
+        tensors = {"rng/torch": torch.get_rng_state(), **self._value_norm_state(), **(tensors or {})}
         state = {"worker_step": self.step, "scheduler": self.scheduler.state_dict(), **(state or {})}
         return save_checkpoint(root, self.step, self.model, self.optimizer, tensors, state, keep_last_n)
 
@@ -98,12 +102,20 @@ class CriticWorker:
         self, path: str | Path, tensors: dict[str, Tensor] | None = None
     ) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Restore what `save_checkpoint` wrote; `tensors` are templates (shape/dtype) for the caller's tensors."""
-        templates = {"rng/torch": torch.get_rng_state(), **(tensors or {})}
+        norm = self._value_norm_state()
+        templates = {"rng/torch": torch.get_rng_state(), **norm, **(tensors or {})}
         loaded, state = load_checkpoint(path, self.model, self.optimizer, templates)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["worker_step"])
         torch.set_rng_state(loaded.pop("rng/torch"))
+        if norm:
+            self.critic.value_norm.load_state_dict({k: loaded.pop(k) for k in norm})
         return loaded, state
+
+    def _value_norm_state(self) -> dict[str, Tensor]:
+        """The return statistics of `critic.value_norm` (CPU copies; nothing when it is off)."""
+        norm = self.critic.value_norm
+        return {k: v.detach().cpu().clone() for k, v in norm.state_dict().items()} if norm.enabled else {}
 
     def _shard(self, batch_size: int, block: int) -> Tensor:
         """This rank's rows: inside every block of `block` rows, the rank's contiguous 1/DP slice."""
@@ -118,7 +130,30 @@ class CriticWorker:
         return rows.flatten()
 
     def export_hf(self, out_dir: str | Path) -> Path:
-        return export_hf(self.model, out_dir)
+        """The critic as an HF checkpoint that predicts raw values: a LoRA critic is exported merged (adapters folded
+        into the base weights, so it loads without peft), and under `value_norm` the return statistics are folded
+        into the value head (`w·σ`, `b·σ + μ`). Either way the export gives the values `compute_values` gives."""
+        lora, norm = bool(self.config.model.lora_rank), self.critic.value_norm
+        if not lora and not norm.enabled:
+            return export_hf(self.model, out_dir)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from ppo_critic.models.hf import find_value_head
+        from ppo_critic.models.lora import merged_model
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=torch.distributed.is_initialized())
+        full = get_model_state_dict(self.model, options=options)  # a collective under DP
+        if self.rank > 0:
+            return export_hf(self.model, out_dir, state_dict={})  # rank 0 writes; the others wait for it
+        with torch.device("meta"):
+            skeleton = model_from_config(self.config.model)
+        # copies: merging and folding work in place, and the state dict may alias the live parameters
+        skeleton.load_state_dict({k: v.detach().clone() for k, v in full.items()}, assign=True)
+        model = merged_model(skeleton) if lora else skeleton
+        if norm.enabled:
+            parent, name = find_value_head(model)
+            norm.fold_into(getattr(parent, name))
+        return export_hf(model, out_dir, state_dict=model.state_dict())
 
 
 class MegatronCriticWorker(CriticWorker):
@@ -280,7 +315,8 @@ def make_critic_worker(config: Any, **kwargs: Any) -> CriticWorker:
 
 
 def model_from_config(model: ModelConfig) -> nn.Module:
-    """The value model named by `model.path` (+ `override_config`), or built from `override_config` alone."""
+    """The value model named by `model.path` (+ `override_config`), or built from `override_config` alone; with
+    LoRA adapters (only they and the value head trainable) when `model.lora_rank` > 0."""
     if model.external_lib:
         importlib.import_module(model.external_lib)
     if model.path is None and "model_type" not in model.override_config:
@@ -290,7 +326,7 @@ def model_from_config(model: ModelConfig) -> nn.Module:
         )
     overrides = dict(model.override_config)
     source = model.path if model.path is not None else overrides
-    return build_value_model(
+    built = build_value_model(
         source,
         head=model.head,
         value_head_init=model.value_head_init,
@@ -299,6 +335,11 @@ def model_from_config(model: ModelConfig) -> nn.Module:
         attn_implementation=model.attn_implementation,
         trust_remote_code=model.trust_remote_code,
     )
+    if model.lora_rank:
+        from ppo_critic.models.lora import apply_lora
+
+        built = apply_lora(built, model.lora_rank, model.lora_alpha, model.target_modules)
+    return built
 
 
 def per_rank_config(config: CriticConfig, dp_size: int) -> CriticConfig:

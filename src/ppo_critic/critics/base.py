@@ -3,6 +3,7 @@ loss denominators, micro-batch agreement over data-parallel ranks, metric accumu
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from ppo_critic.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
 from ppo_critic.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_indices
 from ppo_critic.config import CriticConfig
 from ppo_critic.perf import ModelShape, PhaseTimer, perf_metrics
+from ppo_critic.value_norm import ValueNormalizer
 
 UPDATE_KEYS = (*MODEL_KEYS, "response_mask", *TARGET_KEYS, MULTI_MODAL)
 
@@ -144,6 +146,7 @@ class PPOCriticBase:
     perf: Perf
     vocab_size: int | None = None  # the embedding's rows, when the backend knows them
     last_compute_metrics: dict[str, float] | None = None
+    value_norm: ValueNormalizer = ValueNormalizer("off")  # a backend supporting `critic.value_norm` sets its own
 
     @torch.no_grad()
     def compute_values(self, data: Any) -> Tensor:
@@ -164,7 +167,8 @@ class PPOCriticBase:
         batch = batch.select((*MODEL_KEYS, "response_mask", MULTI_MODAL)).to(self.device, non_blocking=True)
         groups = self._micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
         self._set_training(False)
-        values = torch.where(batch.response_mask.bool(), self._values(batch, groups), 0.0).float().cpu()
+        values = self.value_norm.denormalise(self._values(batch, groups))
+        values = torch.where(batch.response_mask.bool(), values, 0.0).float().cpu()
         replica = self.perf.world_size // self.dp_size  # this rank's share of the devices: the replica's
         tokens, flops = float(batch["attention_mask"].sum()), self.perf.forward_flops(batch)
         local = Perf(self.perf.shape, replica, self.perf.device, self.perf.dtype)
@@ -186,6 +190,7 @@ class PPOCriticBase:
         if cfg.use_dynamic_bsz:
             check_token_budget(batch["attention_mask"].sum(-1), max_token_len)
         batch = batch.select(UPDATE_KEYS).to(self.device, non_blocking=True)
+        targets = self._normalised_targets(batch)
         metrics = UpdateMetrics(self.device)
         self._set_training(True)
         start = time.perf_counter()
@@ -193,11 +198,35 @@ class PPOCriticBase:
             for rows in mini_batch_indices(
                 len(batch), cfg.ppo_mini_batch_size, shuffle=cfg.shuffle, seed=cfg.data_loader_seed, epoch=epoch
             ):
-                self._optimizer_step(batch.index(rows), metrics, max_token_len)
+                self._optimizer_step(targets.index(rows), metrics, max_token_len)
         return self._metrics(metrics, batch, time.perf_counter() - start)
 
+    def _normalised_targets(self, batch: Batch) -> Batch:
+        """With `value_norm`: update the return statistics from this call's returns (over DP; PopArt rescales
+        the value head), then `batch` with returns and old values in the model's normalised output space."""
+        norm = self.value_norm
+        if not norm.enabled:
+            return batch
+        if norm.mode == "popart":
+            with self._value_head() as head:
+                norm.update(batch["returns"], batch.response_mask, self._all_reduce, head)
+        else:
+            norm.update(batch["returns"], batch.response_mask, self._all_reduce)
+        tensors = batch.tensors | {key: norm.normalise(batch[key]) for key in TARGET_KEYS}
+        return Batch(tensors, batch.non_tensors, batch.meta_info)
+
     def _metrics(self, metrics: UpdateMetrics, batch: Batch, elapsed_s: float) -> dict[str, float]:
-        return metrics.result(batch, self._lr(), elapsed_s, self.config.ppo_epochs, self._all_reduce, self.perf)
+        """`critic/*` in raw return space (the loss excepted: it is in normalised space under `value_norm`)."""
+        result = metrics.result(batch, self._lr(), elapsed_s, self.config.ppo_epochs, self._all_reduce, self.perf)
+        if self.value_norm.enabled:
+            mean, std = self.value_norm.mean.item(), self.value_norm.std.item()
+            result["critic/vpred_mean"] = mean + std * result["critic/vpred_mean"]
+            result |= {"critic/value_norm_mean": mean, "critic/value_norm_std": std}
+        return result
+
+    def _value_head(self) -> contextlib.AbstractContextManager[torch.nn.Linear]:
+        """The model's `Linear(hidden, 1)` value head, editable in place inside the context (for PopArt)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support value_norm=popart")
 
     def _check_token_ids(self, batch: Batch) -> None:
         """Token ids must index the model's vocabulary (checked before any step, not in a later mini-batch)."""

@@ -7,6 +7,7 @@ mini-batch. How a micro-batch is run (padded today; packed, sharded later) lives
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,12 +19,13 @@ from ppo_critic.batch import MULTI_MODAL, Batch
 from ppo_critic.batching import restore_order
 from ppo_critic.config import CriticConfig
 from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics, compute_dtype
-from ppo_critic.models.hf import token_values
+from ppo_critic.models.hf import find_value_head, token_values
 from ppo_critic.packing import pack
 from ppo_critic.parallel.fsdp import average_plain_gradients, clip_grad_norm
 from ppo_critic.parallel.mesh import parallel_groups
 from ppo_critic.parallel.ulysses import check_heads_of, gather_sequence, sequence_parallel
 from ppo_critic.perf import ModelShape
+from ppo_critic.value_norm import ValueNormalizer
 
 
 class DataParallelPPOCritic(PPOCriticBase):
@@ -41,6 +43,9 @@ class DataParallelPPOCritic(PPOCriticBase):
         self.dp_group, self.dp_size = self.groups.dp_group, self.groups.dp_size
         if self.sp_size > 1:
             check_heads_of(critic_module, self.sp_size)
+        self.value_norm = ValueNormalizer(self.config.value_norm, self.device)
+        if self.value_norm.mode == "popart" and getattr(*find_value_head(critic_module)).bias is None:
+            raise ValueError("value_norm=popart needs a value head with a bias (the mean shift goes there)")
         inner = getattr(critic_module, "module", critic_module)  # DDP / FSDP1
         hf_config = getattr(inner, "config", None)
         shape = ModelShape.from_hf(hf_config) if hf_config is not None else None
@@ -57,6 +62,22 @@ class DataParallelPPOCritic(PPOCriticBase):
 
     def _set_training(self, mode: bool) -> None:
         self.critic_module.train(mode)
+
+    @contextlib.contextmanager
+    def _value_head(self) -> Iterator[nn.Linear]:
+        """The value head, editable in place however the model is sharded: FSDP1's full parameters are summoned and
+        written back; FSDP2's root is resharded first (it keeps its parameters unsharded after a forward, and an
+        edit of those would be lost at the next reshard), then its sharded parameters are edited shard-wise."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        parent, name = find_value_head(self.critic_module)
+        if isinstance(self.critic_module, FullyShardedDataParallel):
+            with FullyShardedDataParallel.summon_full_params(self.critic_module, writeback=True):
+                yield getattr(parent, name)
+            return
+        if hasattr(self.critic_module, "reshard"):  # FSDP2's FSDPModule
+            self.critic_module.reshard()
+        yield getattr(parent, name)
 
     def _lr(self) -> float:
         return self.critic_optimizer.param_groups[0]["lr"]
@@ -78,7 +99,15 @@ class DataParallelPPOCritic(PPOCriticBase):
                 vpreds = self._forward_micro_batch(micro)
                 mask = micro.response_mask if rows else torch.zeros_like(micro.response_mask)
                 loss, clipfrac = compute_value_loss(
-                    vpreds, micro["returns"], micro["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **norm
+                    vpreds,
+                    micro["returns"],
+                    micro["values"],
+                    mask,
+                    cfg.cliprange_value,
+                    cfg.loss_agg_mode,
+                    loss_type=cfg.vf_loss_type,
+                    huber_delta=cfg.huber_delta,
+                    **norm,
                 )
             with timer("backward"):  # under DDP / FSDP this includes their gradient reduction
                 loss.backward()

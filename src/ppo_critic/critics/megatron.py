@@ -128,7 +128,15 @@ class MegatronPPOCritic(PPOCriticBase):
         def loss_fn(micro: Batch, keep: bool, vpreds: Tensor) -> Tensor:
             mask = micro.response_mask if keep else torch.zeros_like(micro.response_mask)
             loss, clipfrac = compute_value_loss(
-                vpreds, micro["returns"], micro["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **norm
+                vpreds,
+                micro["returns"],
+                micro["values"],
+                mask,
+                cfg.cliprange_value,
+                cfg.loss_agg_mode,
+                loss_type=cfg.vf_loss_type,
+                huber_delta=cfg.huber_delta,
+                **norm,
             )
             metrics.add_micro_batch(vpreds, clipfrac, mask)
             return loss

@@ -1,5 +1,5 @@
 """Value models from transformers: `*ForTokenClassification(num_labels=1)`, any backbone + a linear head, or a
-caller-built TRL-style module with a `v_head`.
+caller-built TRL-style module with a `v_head`; optionally initialised from a reward model (backbone and head).
 
 Every value model returns one scalar per token; `token_values` reads it from the model's output.
 """
@@ -15,10 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ppo_critic.config import DTYPES, HEAD_KINDS, VALUE_HEAD_INIT
+from ppo_critic.config import DTYPES, HEAD_KINDS, VALUE_HEAD_INIT, VALUE_HEAD_INIT_HELP
 
 HEAD_NAMES = ("score", "classifier", "v_head", "value_head")
 VALUE_HEAD_FILE = "value_head.safetensors"  # the head of an exported generic critic, beside its backbone
+FROM_REWARD_MODEL = "from_reward_model:"
+# where a reward model keeps its scalar head: transformers' *ForSequenceClassification, TRL's value head, ours
+REWARD_HEAD_PREFIXES = ("score.", "v_head.summary.", "v_head.", "value_head.")
 
 
 class ValueHead(nn.Linear):
@@ -72,14 +75,21 @@ def build_value_model(
     `head`: `auto` (TokenClassification when the architecture has one, else generic), `token_classification`
     or `generic` (`AutoModel` + `Linear(hidden, 1)`). Weights are loaded when `model` is a path holding them;
     a head missing from the checkpoint is initialised by `value_head_init` (`default`, `zero`,
-    `normal:<std>`). Head dropout is 0. A caller-built module must expose a TRL-style `v_head`.
+    `normal:<std>`). `from_reward_model:<dir>` instead loads the backbone *and* the head from a reward-model
+    checkpoint (see `load_reward_model`), so the critic starts out predicting the reward model's score; `model`
+    then only gives the architecture. Head dropout is 0. A caller-built module must expose a TRL-style `v_head`.
     """
     if head not in HEAD_KINDS:
         raise ValueError(f"head={head!r} is unknown; expected one of {HEAD_KINDS}")
     if not VALUE_HEAD_INIT.match(value_head_init):
-        raise ValueError(f"value_head_init={value_head_init!r} is invalid; use 'default', 'zero' or 'normal:<std>'")
+        raise ValueError(f"value_head_init={value_head_init!r} is invalid; {VALUE_HEAD_INIT_HELP}")
+    reward_model = (
+        value_head_init.removeprefix(FROM_REWARD_MODEL) if value_head_init.startswith(FROM_REWARD_MODEL) else None
+    )
     head_dtype = _dtype(value_head_dtype, "value_head_dtype")
     if isinstance(model, nn.Module):
+        if reward_model is not None:
+            raise ValueError("value_head_init=from_reward_model:<dir> needs a config or a path, not a built module")
         if not hasattr(model, "v_head"):
             raise TypeError(
                 f"a caller-built {type(model).__name__} must expose a TRL-style `v_head` (values at output index 2); "
@@ -99,7 +109,7 @@ def build_value_model(
         config._attn_implementation = attn_implementation
     auto_cls = _auto_class(config, head)
     param_dtype = _dtype(dtype, "dtype") or torch.float32
-    if path is not None and _has_weights(path):
+    if path is not None and _has_weights(path) and reward_model is None:
         built, info = auto_cls.from_pretrained(
             path, config=config, dtype=param_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
         )
@@ -114,9 +124,78 @@ def build_value_model(
             from safetensors.torch import load_file
 
             built.score.load_state_dict({k.removeprefix("score."): v for k, v in load_file(head_file).items()})
+    if reward_model is not None:
+        load_reward_model(built, reward_model)
+        head_loaded = True
     init = None if head_loaded else value_head_init
     _finish_head(built, None if init == "default" else init, head_dtype)
     return built
+
+
+def load_reward_model(critic: nn.Module, path: str | os.PathLike) -> None:
+    """Copy a reward model's backbone and scalar head into `critic` (built with the same architecture).
+
+    `path` is a checkpoint directory holding one of: a transformers `*ForSequenceClassification(num_labels=1)`
+    (head `score`), a TRL model with a value head (`v_head.summary`), or a critic exported by this package (head
+    `score`, for a generic critic in `value_head.safetensors`). Head weights map onto the critic's head (a head
+    without bias gets bias 0); a language-model head (`lm_head`) is dropped; every backbone weight must match
+    the critic's backbone by name and shape (errors list what does not).
+    """
+    tensors = _read_weights(os.fspath(path))
+    head_tensors = {}
+    for key in list(tensors):
+        prefix = next((p for p in REWARD_HEAD_PREFIXES if key.startswith(p)), None)
+        if prefix is not None:
+            head_tensors[key.removeprefix(prefix)] = tensors.pop(key)
+        elif key.startswith("lm_head."):
+            del tensors[key]
+    weight = head_tensors.get("weight")
+    if weight is None or weight.dim() != 2 or weight.shape[0] != 1:
+        found = {k: tuple(v.shape) for k, v in head_tensors.items()}
+        raise ValueError(
+            f"reward model {path} has no scalar head: expected score / v_head.summary / value_head weights of shape "
+            f"[1, hidden] (a reward model with num_labels=1), found {found or 'none'}"
+        )
+    backbone = critic.model if isinstance(critic, ValueModel) else critic.base_model
+    prefix = getattr(backbone, "base_model_prefix", "model") + "."
+    mapped = {k.removeprefix(prefix): v for k, v in tensors.items()}
+    fix = "build the critic with the reward model's architecture (critic.model.path)"
+    try:
+        missing, unexpected = backbone.load_state_dict(mapped, strict=False)
+    except RuntimeError as err:  # shapes differ: name the first few
+        lines = [line.strip() for line in str(err).splitlines() if "size mismatch" in line]
+        shown = "; ".join(lines[:3]) + (f"; ... ({len(lines)} in all)" if len(lines) > 3 else "")
+        raise ValueError(f"reward model {path} does not fit the critic's backbone: {shown}; {fix}") from err
+    if missing or unexpected:
+        raise ValueError(
+            f"reward model {path} does not fit the critic's backbone: missing {sorted(missing)[:8]}, unexpected "
+            f"{sorted(unexpected)[:8]}; {fix}"
+        )
+    parent, name = find_value_head(critic)
+    linear: nn.Linear = getattr(parent, name)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if linear.bias is not None:
+            linear.bias.copy_(head_tensors.get("bias", torch.zeros(1)))
+
+
+def _read_weights(path: str) -> dict[str, Tensor]:
+    """Every tensor of a checkpoint directory (safetensors, else weights-only `.bin`), including our head file."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"reward model path {path!r} is not a directory")
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    tensors: dict[str, Tensor] = {}
+    if files:
+        from safetensors.torch import load_file
+
+        for f in files:
+            tensors |= load_file(os.path.join(path, f))
+    else:
+        for f in sorted(f for f in os.listdir(path) if f.endswith(".bin")):
+            tensors |= torch.load(os.path.join(path, f), map_location="cpu", weights_only=True)
+    if not tensors:
+        raise FileNotFoundError(f"reward model path {path!r} holds no .safetensors or .bin weights")
+    return tensors
 
 
 def token_values(module: nn.Module, output: Any) -> Tensor:
@@ -133,8 +212,20 @@ def token_values(module: nn.Module, output: Any) -> Tensor:
     return values
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The value model inside DDP / FSDP1 (`.module`) and peft (`get_base_model()`) wrappers."""
+    while True:
+        if hasattr(model, "get_base_model") and model.get_base_model() is not model:
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            return model
+
+
 def find_value_head(model: nn.Module) -> tuple[nn.Module, str]:
-    """(parent, attribute) of the `Linear(hidden, 1)` value head."""
+    """(parent, attribute) of the `Linear(hidden, 1)` value head (looking through DDP / FSDP1 / peft wrappers)."""
+    model = unwrap(model)
     for name in HEAD_NAMES:
         head = getattr(model, name, None)
         if isinstance(head, nn.Linear) and head.out_features == 1:

@@ -13,16 +13,29 @@ from ppo_critic.config import STRATEGIES
 
 
 def parallelize(
-    model: nn.Module, strategy: str, device: torch.device, mixed_precision: bool | None = None
+    model: nn.Module,
+    strategy: str,
+    device: torch.device,
+    mixed_precision: bool | None = None,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Wrap `model` for data parallelism over the default process group (a no-op without one, or for `none`).
 
     `mixed_precision` (default: on CUDA) keeps bf16 parameters in compute with fp32 gradient reduction (FSDP2).
+    `cpu_offload` (FSDP2 on CUDA only): FSDP2's `CPUOffloadPolicy` keeps the parameter shards, their gradients
+    and so the optimizer state in (pinned) CPU memory, copies each layer to the GPU for its forward/backward,
+    and runs the optimizer step on the CPU.
     """
     import torch.distributed as dist
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is unknown; expected one of {STRATEGIES}")
+    if cpu_offload and (strategy != "fsdp2" or device.type != "cuda" or not dist.is_initialized()):
+        raise ValueError(
+            "critic.model.fsdp_config.param_offload=true needs strategy=fsdp2 on CUDA under torchrun (FSDP2's "
+            f"CPUOffloadPolicy); this run has strategy={strategy}, device={device.type}, "
+            f"process group={'yes' if dist.is_initialized() else 'no'}; set param_offload=false"
+        )
     if strategy == "none" or not dist.is_initialized():
         return model  # under DP the critic averages the gradients itself (average_plain_gradients)
     if strategy == "ddp":
@@ -31,7 +44,7 @@ def parallelize(
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if strategy == "fsdp":
         return _apply_fsdp1(model, device)
-    return _apply_fsdp2(model, device.type == "cuda" if mixed_precision is None else mixed_precision)
+    return _apply_fsdp2(model, device.type == "cuda" if mixed_precision is None else mixed_precision, cpu_offload)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -44,11 +57,13 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-def _apply_fsdp2(model: nn.Module, mixed_precision: bool) -> nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _apply_fsdp2(model: nn.Module, mixed_precision: bool, cpu_offload: bool = False) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
-    kwargs = {"mp_policy": policy} if policy is not None else {}
+    kwargs: dict = {"mp_policy": policy} if policy is not None else {}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in _decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

@@ -1,0 +1,53 @@
+"""Value normalisation and LoRA critics at DP=2 (gloo): the return statistics are reduced over the ranks (every
+rank holds the statistics of the whole global batch), and updates, values and HF exports equal one process's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_layouts import HERE, torchrun
+from transformers import AutoModelForTokenClassification
+from value_norm_cases import CASES, NO_EXPORT, batches
+
+from ppo_critic.worker import CriticWorker
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("value_norm_dp2")
+    result = torchrun(str(HERE / "value_norm_worker.py"), str(out))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out, json.loads((out / "report.json").read_text())
+
+
+def single_process(config):
+    worker = CriticWorker({**config, "strategy": "none"}, device="cpu")
+    for batch in batches():
+        batch["values"] = worker.compute_values(batch)
+        worker.update_critic(batch)
+    return worker
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dp2_matches_one_process(dp2, name):
+    out, report = dp2
+    reference = single_process(CASES[name])
+    norm = reference.critic.value_norm
+    rank0, rank1 = (torch.tensor(s, dtype=torch.float64) for s in report[name]["stats"])
+    assert torch.equal(rank0, rank1)  # every rank holds the same statistics
+    torch.testing.assert_close(rank0, torch.stack([norm.count, norm.mean, norm.var]), rtol=1e-12, atol=1e-12)
+    if norm.enabled:
+        assert rank0[0].item() == sum(b["attention_mask"][:, -5:].sum().item() for b in batches())
+    batch = batches()[0]
+    values = reference.compute_values(batch)
+    torch.testing.assert_close(torch.tensor(report[name]["values"]), values, rtol=1e-5, atol=1e-5)
+    if name in NO_EXPORT:
+        return
+    hf = AutoModelForTokenClassification.from_pretrained(out / name)  # merged / statistics folded in
+    logits = hf(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    ).logits.squeeze(-1)
+    mask = batch["attention_mask"][:, -5:].bool()
+    torch.testing.assert_close(torch.where(mask, logits[:, -6:-1], 0.0), values, rtol=1e-5, atol=1e-4)

@@ -1,0 +1,204 @@
+"""Critic-quality options: LoRA critics, offload settings, the Huber loss through the critic, PPO epochs with
+shuffling, and the built-in trainer's critic warmup."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_batch, tiny_config
+from ppo_critic import CriticConfig, DataParallelPPOCritic
+from ppo_critic.worker import CriticWorker
+
+LORA = {
+    "strategy": "none",
+    "ppo_mini_batch_size": 8,
+    "cliprange_value": None,
+    "model": {"override_config": tiny_config("qwen2"), "value_head_init": "normal:0.3", "lora_rank": 4},
+    "optim": {"lr": 1e-2},
+}
+
+
+def lora_config(**model):
+    cfg = copy.deepcopy(LORA)
+    cfg["model"].update(model)
+    return cfg
+
+
+def trained(worker, seeds=(0, 1)):
+    for seed in seeds:
+        batch = make_batch(8, 6, 5, seed=seed)
+        batch["values"] = worker.compute_values(batch)
+        worker.update_critic(batch)
+    return worker
+
+
+def expected_lora_parameters(rank, names=None):
+    """rank × (in + out) per adapted Linear of the plain model, plus the value head's weight and bias."""
+    from ppo_critic import build_value_model
+
+    plain = build_value_model(tiny_config("qwen2"))
+    count = 0
+    for name, module in plain.named_modules():
+        if isinstance(module, nn.Linear) and name != "score" and (names is None or name.rsplit(".", 1)[-1] in names):
+            count += rank * (module.in_features + module.out_features)
+    return count + plain.score.weight.numel() + plain.score.bias.numel()
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
+def test_lora_trains_only_the_adapters_and_the_value_head(targets):
+    worker = CriticWorker(lora_config(target_modules=targets), device="cpu")
+    trainable = {n: p for n, p in worker.model.named_parameters() if p.requires_grad}
+    names = None if targets == "all-linear" else set(targets)
+    assert sum(p.numel() for p in trainable.values()) == expected_lora_parameters(4, names)
+    assert all("lora_" in n or n.endswith(("score.weight", "score.bias")) for n in trainable)
+    optimized = {id(p) for group in worker.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in trainable.values()}
+    frozen = {n: p.detach().clone() for n, p in worker.model.named_parameters() if not p.requires_grad}
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    trained(worker)
+    after = dict(worker.model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in frozen.items())
+    assert all(not torch.equal(after[n], p) for n, p in before.items() if "lora_B" in n or "score" in n)
+
+
+def test_lora_checkpoint_resumes_and_the_merged_export_gives_the_same_values(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForTokenClassification
+
+    worker = trained(CriticWorker(LORA, device="cpu"))
+    path = worker.save_checkpoint(tmp_path / "ckpt")
+    resumed = CriticWorker(LORA, device="cpu", seed=1)
+    resumed.load_checkpoint(path)
+    batch = make_batch(8, 6, 5, seed=9)
+    values = worker.compute_values(batch)
+    assert torch.equal(resumed.compute_values(batch), values)
+
+    worker.export_hf(tmp_path / "hf")
+    assert torch.equal(worker.compute_values(batch), values)  # exporting did not touch the live critic
+    assert not any("lora" in k for k in load_file(tmp_path / "hf" / "model.safetensors"))
+    hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "hf")
+    out = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    mask = batch["attention_mask"][:, -5:].bool()
+    got = torch.where(mask, out.logits.squeeze(-1)[:, -6:-1], 0.0)
+    torch.testing.assert_close(got, values, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_with_gradient_checkpointing_still_trains_the_adapters():
+    worker = CriticWorker(lora_config(enable_gradient_checkpointing=True), device="cpu")
+    b_before = {n: p.detach().clone() for n, p in worker.model.named_parameters() if "lora_B" in n}
+    trained(worker, seeds=(0,))
+    params = dict(worker.model.named_parameters())
+    assert all(params[n].abs().sum() > 0 and not torch.equal(params[n], p) for n, p in b_before.items())
+
+
+def test_lora_settings_that_cannot_work_are_explained():
+    with pytest.raises(ValueError, match="includes the value head"):
+        CriticWorker(lora_config(target_modules=["q_proj", "score"]), device="cpu")
+    for strategy, message in [("megatron", "not supported with strategy=megatron"), ("fsdp", "strategy=fsdp")]:
+        with pytest.raises(ValueError, match=message):
+            CriticConfig.from_any({"strategy": strategy, "model": {"lora_rank": 8}})
+    with pytest.raises(ValueError, match="lora_alpha=0 must be a positive number"):
+        CriticConfig.from_any({"model": {"lora_rank": 8, "lora_alpha": 0}})
+
+
+# --- offload ---
+
+
+def test_offload_settings_are_checked():
+    with pytest.raises(ValueError, match=r"fsdp_config.param_offload=true needs strategy=fsdp2"):
+        CriticConfig.from_any({"strategy": "ddp", "model": {"fsdp_config": {"param_offload": True}}})
+    with pytest.raises(ValueError, match=r"optimizer_offload=true alone is not supported.*param_offload=true"):
+        CriticConfig.from_any({"model": {"fsdp_config": {"optimizer_offload": True}}})
+    with pytest.raises(ValueError, match=r"param_offload='yes' must be true or false"):
+        CriticConfig.from_any({"model": {"fsdp_config": {"param_offload": "yes"}}})
+    with pytest.raises(ValueError, match=r"enable_activation_offload=true is not supported.*gradient_checkpointing"):
+        CriticConfig.from_any({"model": {"enable_activation_offload": True}})
+
+
+def test_param_offload_on_a_cpu_run_names_the_key():
+    cfg = {**LORA, "strategy": "fsdp2", "model": {"override_config": tiny_config("qwen2")}}
+    cfg["model"]["fsdp_config"] = {"param_offload": True, "optimizer_offload": True}
+    with pytest.raises(ValueError, match=r"critic.model.fsdp_config.param_offload=true needs strategy=fsdp2 on CUDA"):
+        CriticWorker(cfg, device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP2 CPU offload needs CUDA")
+def test_fsdp2_cpu_offload_trains_on_cuda(monkeypatch):
+    """One-rank NCCL group: parameters (and so optimizer state) live on the CPU, the update still learns."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29517")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        cfg = {**LORA, "strategy": "fsdp2", "model": {"override_config": tiny_config("qwen2")}}
+        cfg["model"]["fsdp_config"] = {"param_offload": True, "optimizer_offload": True}
+        worker = CriticWorker(cfg, device="cuda")
+        assert all(p.to_local().device.type == "cpu" for p in worker.model.parameters())
+        batch = make_batch(8, 6, 5, seed=0)
+        batch["returns"] = torch.ones(8, 5)
+        first = None
+        for _ in range(5):
+            batch["values"] = worker.compute_values(batch)
+            loss = worker.update_critic(batch)["critic/vf_loss"]
+            first = loss if first is None else first
+        assert loss < first
+        assert all(s.device.type == "cpu" for st in worker.optimizer.state.values() for s in st.values() if s.dim())
+    finally:
+        dist.destroy_process_group()
+
+
+# --- the Huber loss and PPO epochs through the critic ---
+
+
+def test_the_critic_uses_the_huber_loss_when_asked(tiny_qwen2):
+    batch = make_batch(8, 6, 5, seed=3)
+    batch["returns"] = batch["returns"] * 5  # errors beyond δ
+    losses = {}
+    for loss_type in ("mse", "huber"):
+        model = tiny_qwen2()
+        cfg = {"ppo_mini_batch_size": 8, "cliprange_value": None, "vf_loss_type": loss_type, "huber_delta": 0.5}
+        critic = DataParallelPPOCritic(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0))
+        batch["values"] = critic.compute_values(batch)
+        losses[loss_type] = critic.update_critic(batch)["critic/vf_loss"]
+    mask = batch["attention_mask"][:, -5:].bool()
+    err = (batch["values"] - batch["returns"])[mask].abs().double()
+    huber = torch.where(err <= 0.5, 0.5 * err**2, 0.5 * (err - 0.25)).mean().item()
+    assert losses["huber"] == pytest.approx(huber, rel=1e-5)
+    assert losses["mse"] == pytest.approx(0.5 * (err**2).mean().item(), rel=1e-5)
+
+
+def test_ppo_epochs_reshuffle_every_epoch_deterministically(tiny_qwen2):
+    """Rows are tagged by their first token id; each epoch sees a new permutation, the same one for the same seed."""
+
+    def orders(seed):
+        model = tiny_qwen2()
+        cfg = {"ppo_mini_batch_size": 4, "ppo_epochs": 3, "shuffle": True, "data_loader_seed": seed}
+        critic = DataParallelPPOCritic(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0))
+        seen = []
+        original = critic._optimizer_step
+        critic._optimizer_step = lambda mini, *a: (seen.append(mini["input_ids"][:, 0].tolist()), original(mini, *a))
+        batch = make_batch(16, 6, 5, seed=4)
+        batch["input_ids"][:, 0] = torch.arange(16)
+        critic.update_critic(batch)
+        return [[row for mini in seen[i : i + 4] for row in mini] for i in range(0, len(seen), 4)]  # 4 per epoch
+
+    epochs = orders(seed=11)
+    assert len(epochs) == 3 and all(sorted(e) == list(range(16)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3 and epochs[0] != list(range(16))
+    assert orders(seed=11) == epochs and orders(seed=12) != epochs
+
+
+def test_megatron_names_the_quality_options_it_does_not_support():
+    cfg = {"strategy": "megatron", "value_norm": "running", "model": {"lora_rank": 4, "value_head_dtype": "float32"}}
+    with pytest.raises(ValueError) as info:
+        CriticConfig.from_any(cfg)
+    text = str(info.value)
+    assert "value_norm=running is not supported with strategy=megatron" in text
+    assert "lora_rank > 0 (LoRA) is not supported with strategy=megatron" in text
+    assert "value_head_dtype is not supported with strategy=megatron" in text
+    CriticConfig.from_any({"strategy": "megatron", "vf_loss_type": "huber"})  # the Huber loss is backend-independent

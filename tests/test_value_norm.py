@@ -1,0 +1,192 @@
+"""critic.value_norm: running statistics, PopArt's output preservation, raw-space metrics, checkpoint and export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_batch, tiny_config
+from ppo_critic import CriticConfig, DataParallelPPOCritic
+from ppo_critic.algos import explained_variance
+from ppo_critic.value_norm import ValueNormalizer, preserve_outputs
+from ppo_critic.worker import CriticWorker
+
+
+def critic_with(tiny_qwen2, mode, lr=0.0, **cfg):
+    model = tiny_qwen2(value_head_init="normal:0.5")
+    config = {"ppo_mini_batch_size": 8, "cliprange_value": None, "value_norm": mode, **cfg}
+    return DataParallelPPOCritic(config, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0))
+
+
+def shifted_batch(seed=0, scale=10.0, shift=50.0):
+    """Returns far from the model's outputs, so the statistics move a lot."""
+    batch = make_batch(8, 6, 5, seed=seed)
+    batch["returns"] = batch["returns"] * scale + shift
+    return batch
+
+
+def test_statistics_are_the_exact_mean_and_variance_of_every_valid_return_seen():
+    norm = ValueNormalizer("running")
+    seen = []
+    for seed in range(4):
+        batch = shifted_batch(seed, scale=1.0 + seed, shift=3.0 * seed)
+        mask = batch["attention_mask"][:, -5:]
+        norm.update(batch["returns"], mask)
+        seen.append(batch["returns"][mask.bool()].double())
+    everything = torch.cat(seen)
+    assert norm.count.item() == everything.numel()
+    torch.testing.assert_close(norm.mean, everything.mean(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(norm.var, everything.var(unbiased=False), rtol=1e-10, atol=1e-12)
+    x = torch.randn(7, dtype=torch.float64)
+    torch.testing.assert_close(norm.denormalise(norm.normalise(x)), x)
+
+
+def test_off_is_the_identity_and_a_fresh_normalizer_changes_nothing():
+    x = torch.randn(3, 4)
+    assert ValueNormalizer("off").normalise(x) is x and ValueNormalizer("off").denormalise(x) is x
+    torch.testing.assert_close(ValueNormalizer("running").denormalise(x), x, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="value_norm='batch' is unknown"):
+        ValueNormalizer("batch")
+
+
+def test_preserve_outputs_rescales_weight_and_bias():
+    head = torch.nn.Linear(16, 1)
+    h = torch.randn(32, 16)
+    old_mean, old_std, new_mean, new_std = (torch.tensor(v, dtype=torch.float64) for v in (1.5, 2.0, -3.0, 0.25))
+    before = old_mean + old_std * head(h).double()
+    preserve_outputs(head, old_mean, old_std, new_mean, new_std)
+    after = new_mean + new_std * head(h).double()
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-5)
+
+
+def test_popart_preserves_the_values_when_the_statistics_move(tiny_qwen2):
+    """A step with learning rate 0: only the statistics (and PopArt's head rescaling) change."""
+    critic = critic_with(tiny_qwen2, "popart")
+    batch = shifted_batch()
+    before = critic.compute_values(batch)
+    for seed in range(3):
+        critic.update_critic(shifted_batch(seed, scale=3.0 * (seed + 1), shift=-20.0 * seed))
+        assert critic.value_norm.count.item() > 0
+        torch.testing.assert_close(critic.compute_values(batch), before, rtol=1e-5, atol=1e-5)
+    assert abs(critic.value_norm.mean.item()) > 1.0  # the statistics did move
+
+
+def test_running_normalisation_moves_the_values_with_the_statistics(tiny_qwen2):
+    """The control for the PopArt test: without rescaling, the de-normalised outputs follow μ and σ."""
+    critic = critic_with(tiny_qwen2, "running")
+    batch = shifted_batch()
+    raw = critic.compute_values(batch)  # before any update μ=0, σ=1: the model's own outputs
+    critic.update_critic(batch)
+    norm = critic.value_norm
+    mask = batch["attention_mask"][:, -5:].bool()
+    expected = torch.where(mask, norm.mean.float() + norm.std.float() * raw, 0.0)
+    torch.testing.assert_close(critic.compute_values(batch), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["running", "popart"])
+def test_loss_is_in_normalised_space_and_metrics_in_raw_space(tiny_qwen2, mode):
+    critic = critic_with(tiny_qwen2, mode)
+    batch = shifted_batch()
+    batch["values"] = critic.compute_values(batch)
+    metrics = critic.update_critic(batch)
+    norm = critic.value_norm
+    mask = batch["attention_mask"][:, -5:].bool()
+    returns = batch["returns"][mask].double()
+    torch.testing.assert_close(norm.mean, returns.mean())
+    torch.testing.assert_close(norm.std, returns.std(unbiased=False))
+    # lr 0, so the model's output during the step is its output before: the old values (μ=0, σ=1 then), which
+    # PopArt's rescaling carries into normalised space; `running` leaves the output itself in place
+    vpred = (norm.normalise(batch["values"].double()) if mode == "popart" else batch["values"].double())[mask]
+    target = norm.normalise(batch["returns"].double())[mask]
+    assert metrics["critic/vf_loss"] == pytest.approx(0.5 * ((vpred - target) ** 2).mean().item(), rel=1e-5)
+    values = batch["values"][mask].double()
+    ev = explained_variance(batch["values"], batch["returns"], mask).item()
+    assert metrics["critic/vf_explained_var"] == pytest.approx(ev, rel=1e-6, abs=1e-9)
+    assert metrics["critic/values_mean"] == pytest.approx(values.mean().item(), rel=1e-6)
+    assert metrics["critic/vpred_mean"] == pytest.approx(norm.denormalise(vpred).mean().item(), rel=1e-4, abs=1e-4)
+    assert metrics["critic/value_norm_mean"] == pytest.approx(norm.mean.item())
+    assert metrics["critic/value_norm_std"] == pytest.approx(norm.std.item())
+
+
+def test_the_loss_sees_returns_and_old_values_normalised_by_the_same_statistics(tiny_qwen2):
+    """So `cliprange_value` clips around the old values in units of σ."""
+    critic = critic_with(tiny_qwen2, "running")
+    batch = shifted_batch()
+    mask = batch["attention_mask"][:, -5:].bool()
+    batch["values"] = torch.where(mask, batch["values"] * 7.0 + 30.0, torch.nan)  # NaN at padding stays harmless
+    seen = []
+    original = critic._optimizer_step
+    critic._optimizer_step = lambda mini, *args: (seen.append(mini), original(mini, *args))
+    critic.update_critic(batch)
+    mean, std = critic.value_norm.mean, critic.value_norm.std
+    for key in ("returns", "values"):
+        expected = ((batch[key].double() - mean) / std).float()
+        torch.testing.assert_close(seen[0][key][mask], expected[mask])
+
+
+def test_running_normalisation_fits_large_returns_where_raw_regression_cannot(tiny_qwen2):
+    """Returns around 1000 ± 100: normalised, the model's outputs of order 1 map onto them at once; raw, 30 Adam
+    steps of lr 3e-3 move the outputs by far less than 1000. (PopArt would first preserve the outputs near 0.)"""
+    errors = {}
+    for mode in ("off", "running"):
+        critic = critic_with(tiny_qwen2, mode, lr=3e-3)
+        batch = shifted_batch(scale=100.0, shift=1000.0)
+        mask = batch["attention_mask"][:, -5:].bool()
+        for _ in range(30):
+            batch["values"] = critic.compute_values(batch)
+            critic.update_critic(batch)
+        errors[mode] = (critic.compute_values(batch) - batch["returns"])[mask].abs().mean().item()
+    assert errors["running"] < 0.2 * errors["off"]
+
+
+def test_popart_needs_a_head_with_a_bias(tiny_qwen2):
+    model = tiny_qwen2()
+    model.score = torch.nn.Linear(model.score.in_features, 1, bias=False)
+    with pytest.raises(ValueError, match="popart needs a value head with a bias"):
+        DataParallelPPOCritic({"value_norm": "popart"}, model, torch.optim.SGD(model.parameters(), lr=0.0))
+
+
+def test_megatron_rejects_value_norm():
+    with pytest.raises(ValueError, match="value_norm=popart is not supported with strategy=megatron"):
+        CriticConfig.from_any({"strategy": "megatron", "value_norm": "popart"})
+    with pytest.raises(ValueError, match="value_norm='batch' is unknown"):
+        CriticConfig.from_any({"value_norm": "batch"})
+
+
+WORKER = {
+    "strategy": "none",
+    "ppo_mini_batch_size": 8,
+    "cliprange_value": None,
+    "value_norm": "popart",
+    "model": {"override_config": tiny_config("qwen2"), "value_head_init": "normal:0.2"},
+    "optim": {"lr": 1e-3},
+}
+
+
+def test_statistics_survive_checkpoint_resume_and_the_export_predicts_raw_values(tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    worker = CriticWorker(WORKER, device="cpu")
+    for seed in range(2):
+        batch = shifted_batch(seed)
+        batch["values"] = worker.compute_values(batch)
+        worker.update_critic(batch)
+    path = worker.save_checkpoint(tmp_path / "ckpt")
+    resumed = CriticWorker(WORKER, device="cpu", seed=1)  # other weights, fresh statistics
+    resumed.load_checkpoint(path)
+    for key, value in worker.critic.value_norm.state_dict().items():
+        assert torch.equal(resumed.critic.value_norm.state_dict()[key], value), key
+    batch = shifted_batch(seed=5)
+    expected = worker.compute_values(batch)
+    assert torch.equal(resumed.compute_values(batch), expected)
+    batch["values"] = expected
+    a, b = worker.update_critic(batch), resumed.update_critic(batch)
+    assert a["critic/vf_loss"] == b["critic/vf_loss"] and a["critic/value_norm_std"] == b["critic/value_norm_std"]
+    assert torch.equal(resumed.compute_values(batch), worker.compute_values(batch))
+
+    worker.export_hf(tmp_path / "hf")
+    hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "hf")
+    out = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    mask = batch["attention_mask"][:, -5:].bool()
+    got = torch.where(mask, out.logits.squeeze(-1)[:, -6:-1], 0.0)
+    torch.testing.assert_close(got, worker.compute_values(batch), rtol=1e-5, atol=1e-4)
