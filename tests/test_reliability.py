@@ -462,11 +462,6 @@ def test_bad_command_exits_2_and_leaves_the_run_directory_alone(run_copy, tmp_pa
     assert not (tmp_path / "values.jsonl").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug (train.py): train() writes config.yaml before loading the checkpoint, so a failed resume "
-    "replaces the run's config (then `ppo-critic values/export RUN` build the wrong model); remove once fixed",
-)
 def test_failed_resume_keeps_config_yaml(run_copy, capsys):
     before = digest(run_copy)
     argv = ["train", *SHORT, f"trainer.run_dir={run_copy}", "critic.model.override_config.hidden_size=16"]

@@ -235,16 +235,17 @@ def train(
     worker = make_worker(cfg)
     lead = worker.rank == 0
     out = out if lead else open(os.devnull, "w")  # noqa: SIM115 - closed with the process
+    resolved = OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
     if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
-        resolved = OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
-        (run_dir / "config.yaml").write_text(resolved)
         print(resolved, file=out)
     checkpoint = None if t.resume == "never" else latest_checkpoint(ckpt_root) if t.resume == "auto" else Path(t.resume)
     if checkpoint is not None:
         tensors, state = worker.load_checkpoint(checkpoint, source.state()[0])
         source.load_state(tensors, state)
         print(f"resumed from {checkpoint} at step {worker.step}", file=out)
+    if lead:  # after a successful resume only: a failed one leaves the run's config as it was
+        (run_dir / "config.yaml").write_text(resolved)
     log = RunLog(run_dir, resume_step=worker.step, tensorboard=t.tensorboard) if lead else None
     metrics: dict[str, float] = {}
     progress = _Progress(t, worker.step, enabled=lead)
