@@ -18,6 +18,16 @@ TINY = {
 }
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning OpenMP threads make a
+    module many times slower; the previous setting is restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def tiny_config(model_type: str = "qwen2", **overrides) -> dict:
     return {"model_type": model_type, **TINY, **overrides}
 

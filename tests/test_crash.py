@@ -32,15 +32,7 @@ from ppo_critic.rollouts import read_rollouts
 from ppo_critic.worker import CriticWorker
 from test_train import SHORT
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning OpenMP threads make this
-    module many times slower; the previous setting is restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------------------------

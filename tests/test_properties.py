@@ -25,14 +25,7 @@ SLOW = settings(max_examples=15, deadline=None, suppress_health_check=[HealthChe
 VOCAB = 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning OpenMP threads make this
-    module many times slower; the previous setting is restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def documented(err: Exception, prefix: str = "") -> None:

@@ -29,14 +29,7 @@ CRITIC = {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2}
 GOOD = make_batch(8, 6, 5, seed=9)  # B=8, P=6, R=5, T=11; every row has >= 1 prompt and >= 1 response token
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning OpenMP threads make this
-    module many times slower; the previous setting is restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

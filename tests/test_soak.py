@@ -23,14 +23,7 @@ RSS_BOUND_MIB = 32  # growth of the resident set from update WARMUP to update UP
 BF16_MAX = torch.finfo(torch.bfloat16).max  # 3.39e38
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning OpenMP threads make this
-    module many times slower; the previous setting is restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rss_mib() -> float:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ppo_critic.algos import compute_value_loss
 from ppo_critic.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
 from ppo_critic.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_indices
 from ppo_critic.config import CriticConfig
@@ -252,6 +253,27 @@ class PPOCriticBase:
 
     def _lr(self) -> float:
         raise NotImplementedError
+
+    def _micro_batch_loss(
+        self, micro: Batch, real: bool, vpreds: Tensor, norm: dict[str, Any], metrics: UpdateMetrics
+    ) -> Tensor:
+        """The value loss of one micro-batch over the global denominators `norm` (zero weight when it only keeps
+        the ranks in step), recorded in `metrics`."""
+        cfg = self.config
+        mask = micro.response_mask if real else torch.zeros_like(micro.response_mask)
+        loss, clipfrac = compute_value_loss(
+            vpreds,
+            micro["returns"],
+            micro["values"],
+            mask,
+            cfg.cliprange_value,
+            cfg.loss_agg_mode,
+            loss_type=cfg.vf_loss_type,
+            huber_delta=cfg.huber_delta,
+            **norm,
+        )
+        metrics.add_micro_batch(vpreds, clipfrac, mask)
+        return loss
 
     def _loss_is_finite(self, step_loss: Tensor) -> bool:
         """Whether the step's loss is finite on every data-parallel rank (all ranks then skip together)."""

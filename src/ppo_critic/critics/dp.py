@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ppo_critic.algos import compute_value_loss
 from ppo_critic.attention import use_packed_attention
 from ppo_critic.batch import MULTI_MODAL, Batch
 from ppo_critic.batching import restore_order
@@ -96,23 +95,10 @@ class DataParallelPPOCritic(PPOCriticBase):
         for rows in self._micro_batches(mini_batch, cfg.use_dynamic_bsz, micro_size, max_token_len):
             micro = mini_batch.index(rows or [0])  # an empty group runs with zero weight, so ranks stay in step
             with timer("forward"):
-                vpreds = self._forward_micro_batch(micro)
-                mask = micro.response_mask if rows else torch.zeros_like(micro.response_mask)
-                loss, clipfrac = compute_value_loss(
-                    vpreds,
-                    micro["returns"],
-                    micro["values"],
-                    mask,
-                    cfg.cliprange_value,
-                    cfg.loss_agg_mode,
-                    loss_type=cfg.vf_loss_type,
-                    huber_delta=cfg.huber_delta,
-                    **norm,
-                )
+                loss = self._micro_batch_loss(micro, bool(rows), self._forward_micro_batch(micro), norm, metrics)
             with timer("backward"):  # under DDP / FSDP this includes their gradient reduction
                 loss.backward()
             step_loss += loss.detach()
-            metrics.add_micro_batch(vpreds, clipfrac, mask)
         with timer("collective"):
             average_plain_gradients(self.critic_module, self.groups.world_size)
         with timer("optimizer"):

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ppo_critic.algos import compute_value_loss
 from ppo_critic.batch import MULTI_MODAL, Batch
 from ppo_critic.batching import restore_order
 from ppo_critic.config import CriticConfig
@@ -126,20 +125,7 @@ class MegatronPPOCritic(PPOCriticBase):
         )
 
         def loss_fn(micro: Batch, keep: bool, vpreds: Tensor) -> Tensor:
-            mask = micro.response_mask if keep else torch.zeros_like(micro.response_mask)
-            loss, clipfrac = compute_value_loss(
-                vpreds,
-                micro["returns"],
-                micro["values"],
-                mask,
-                cfg.cliprange_value,
-                cfg.loss_agg_mode,
-                loss_type=cfg.vf_loss_type,
-                huber_delta=cfg.huber_delta,
-                **norm,
-            )
-            metrics.add_micro_batch(vpreds, clipfrac, mask)
-            return loss
+            return self._micro_batch_loss(micro, keep, vpreds, norm, metrics)
 
         with metrics.timer("forward_backward"):  # the pipeline schedule, with its p2p and DP gradient reduction
             outputs = self._run(mini_batch, groups, forward_only=False, fn=loss_fn)
