@@ -190,3 +190,13 @@ def test_statistics_survive_checkpoint_resume_and_the_export_predicts_raw_values
     mask = batch["attention_mask"][:, -5:].bool()
     got = torch.where(mask, out.logits.squeeze(-1)[:, -6:-1], 0.0)
     torch.testing.assert_close(got, worker.compute_values(batch), rtol=1e-5, atol=1e-4)
+
+
+def test_a_bare_off_on_the_command_line_means_off():
+    """YAML (and so OmegaConf's key=value parsing) reads `off` as false."""
+    from ppo_critic.cli import load_config
+
+    assert load_config(None, ["critic.value_norm=off"]).critic.value_norm == "off"
+    assert load_config(None, ["critic.value_norm=popart"]).critic.value_norm == "popart"
+    with pytest.raises(ValueError, match="value_norm=True is unknown"):
+        CriticConfig.from_any({"value_norm": True})

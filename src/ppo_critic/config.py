@@ -127,7 +127,7 @@ class CriticConfig:
     loss_scale_factor: float | None = None
     vf_loss_type: str = "mse"
     huber_delta: float = 1.0
-    value_norm: str = "off"
+    value_norm: str | bool = "off"  # a bare `off` in YAML / on the command line reads as false: the same
     grad_clip: float | None = 1.0
     ulysses_sequence_parallel_size: int = 1
     dtype: str | None = None
@@ -138,6 +138,10 @@ class CriticConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+    def __post_init__(self) -> None:
+        if self.value_norm is False:
+            self.value_norm = "off"
 
     @classmethod
     def from_any(cls, cfg: Any) -> CriticConfig:
