@@ -200,3 +200,18 @@ def test_a_bare_off_on_the_command_line_means_off():
     assert load_config(None, ["critic.value_norm=popart"]).critic.value_norm == "popart"
     with pytest.raises(ValueError, match="value_norm=True is unknown"):
         CriticConfig.from_any({"value_norm": True})
+
+
+def test_a_generic_critic_exports_raw_values_too(tmp_path):
+    from ppo_critic import build_value_model
+
+    config = {**WORKER, "value_norm": "running", "model": {**WORKER["model"], "head": "generic"}}
+    worker = CriticWorker(config, device="cpu")
+    batch = shifted_batch()
+    batch["values"] = worker.compute_values(batch)
+    worker.update_critic(batch)
+    worker.export_hf(tmp_path / "hf")
+    reloaded = build_value_model(tmp_path / "hf")
+    assert type(reloaded).__name__ == "ValueModel"
+    plain = DataParallelPPOCritic({"ppo_mini_batch_size": 8}, reloaded, None)  # no statistics: raw outputs
+    torch.testing.assert_close(plain.compute_values(batch), worker.compute_values(batch), rtol=1e-5, atol=1e-4)

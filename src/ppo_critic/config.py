@@ -235,15 +235,12 @@ class CriticConfig:
                 errors.append(
                     "ulysses_sequence_parallel_size must be 1 with strategy=megatron (use megatron's tensor parallel)"
                 )
-            if self.value_norm != "off":
-                errors.append(f"value_norm={self.value_norm} is not supported with strategy=megatron yet; set off")
+            if self.value_norm == "popart":
+                errors.append("value_norm=popart is not supported with strategy=megatron yet; use running or off")
             if self.model.lora_rank:
                 errors.append("model.lora_rank > 0 (LoRA) is not supported with strategy=megatron; set 0")
-            if self.model.value_head_dtype is not None:
-                errors.append(
-                    "model.value_head_dtype is not supported with strategy=megatron (its output layer computes in the "
-                    "model's dtype, with fp32 main weights in the optimizer); set null"
-                )
+            if self.model.value_head_dtype not in (None, "float32", "fp32"):
+                errors.append("model.value_head_dtype: the megatron value head is always float32; set null or float32")
         errors += self.model_errors() + self.optim_errors()
         if errors:
             raise ValueError("invalid critic config:\n  - " + "\n  - ".join(prefix + e for e in errors))

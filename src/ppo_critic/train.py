@@ -50,8 +50,8 @@ class TrainerConfig:
     steps: int = 400
     rollout_batch_size: int = 192
     gamma: float = 1.0
-    lam: float = 0.95
-    critic_warmup_steps: int = 0
+    lam: float = 0.5
+    critic_warmup_steps: int = 50
     eval_size: int = 512
     eval_every: int = 10
     save_every: int = 50
@@ -67,13 +67,15 @@ class TrainerConfig:
 
 
 def _default_critic() -> CriticConfig:
+    """The critic of `ppo-critic train`: the fastest configuration of the ablation in docs/QUALITY.md."""
     return CriticConfig(
         strategy="none",
         ppo_mini_batch_size=96,
         ppo_micro_batch_size_per_gpu=96,
-        ppo_epochs=2,
+        ppo_epochs=1,
         cliprange_value=None,
         grad_clip=1.0,
+        value_norm="running",
         model=ModelConfig(value_head_init="zero"),
         optim=OptimConfig(lr=3e-3, weight_decay=0.0, warmup_style="cosine", lr_warmup_steps=10, min_lr_ratio=0.1),
     )

@@ -219,9 +219,16 @@ class MegatronCriticWorker(CriticWorker):
         return gather_hf_weights(self.model, self.shapes)
 
     def export_hf(self, out_dir: str | Path) -> Path:
+        """The gathered HF weights; under `value_norm` the statistics are folded into the head (raw values)."""
         state = self.hf_state_dict()
         with torch.device("meta"):
             skeleton = model_from_config(ModelConfig(override_config=self.hf_config.to_dict()))
+        norm = self.critic.value_norm
+        if norm.enabled:
+            head = torch.nn.Linear(state["score.weight"].shape[1], 1, dtype=state["score.weight"].dtype)
+            head.load_state_dict({"weight": state["score.weight"], "bias": state["score.bias"]})
+            norm.fold_into(head)
+            state |= {"score.weight": head.weight.detach(), "score.bias": head.bias.detach()}
         return export_hf(skeleton, out_dir, state_dict=state)
 
     def save_checkpoint(
@@ -235,7 +242,7 @@ class MegatronCriticWorker(CriticWorker):
         step and the caller's `tensors` and JSON `state`."""
         from ppo_critic.checkpoint import save_state_dicts
 
-        tensors = {"rng/torch": torch.get_rng_state(), **(tensors or {})}
+        tensors = {"rng/torch": torch.get_rng_state(), **self._value_norm_state(), **(tensors or {})}
         state = {"worker_step": self.step, "scheduler": self.scheduler.state_dict(), **(state or {})}
         state["megatron_layout"] = self._layout()
         return save_state_dicts(root, self.step, {**self._rank_state(), "extra": tensors}, state, keep_last_n)
@@ -251,7 +258,9 @@ class MegatronCriticWorker(CriticWorker):
                 f"checkpoint {path} was written with the megatron layout {saved}, this job runs {self._layout()}; "
                 "resume with the same layout, or export it to HF and start from that with critic.model.path"
             )
-        state_dict = {**self._rank_state(), "extra": {"rng/torch": torch.get_rng_state(), **(tensors or {})}}
+        norm = self._value_norm_state()
+        extra = {"rng/torch": torch.get_rng_state(), **norm, **(tensors or {})}
+        state_dict = {**self._rank_state(), "extra": extra}
         state = load_state_dicts(path, state_dict)  # fills model, optimizer state and main params in place
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
@@ -259,6 +268,8 @@ class MegatronCriticWorker(CriticWorker):
         self.step = int(state["worker_step"])
         extra = state_dict["extra"]
         torch.set_rng_state(extra.pop("rng/torch"))
+        if norm:
+            self.critic.value_norm.load_state_dict({k: extra.pop(k) for k in norm})
         return extra, state
 
     def _layout(self) -> dict[str, int]:

@@ -24,6 +24,7 @@ from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics
 from ppo_critic.packing import CompactBatch, compact
 from ppo_critic.parallel.megatron import unwrap
 from ppo_critic.perf import ModelShape
+from ppo_critic.value_norm import ValueNormalizer
 
 # (micro-batch, whether it holds real rows, its values [b, R]) -> (loss to backpropagate, extra outputs)
 MicroBatchFn = Callable[[Batch, bool, Tensor], Tensor]
@@ -85,6 +86,7 @@ class MegatronPPOCritic(PPOCriticBase):
         self.vocab_size = getattr(unwrap(chunks[0]), "vocab_size", None)
         shape, world = ModelShape.from_megatron(self.tf_config), torch.distributed.get_world_size()
         self.perf = Perf(shape, world, self.device, self.tf_config.params_dtype)
+        self.value_norm = ValueNormalizer(self.config.value_norm, self.device)  # popart is rejected by the config
 
     def _check_batch(self, batch: Batch) -> None:
         positions, mask = batch["position_ids"], batch["attention_mask"].bool()
