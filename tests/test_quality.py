@@ -204,3 +204,25 @@ def test_megatron_names_the_quality_options_it_does_not_support():
     # backend-independent, or what megatron does anyway
     CriticConfig.from_any({"strategy": "megatron", "vf_loss_type": "huber", "value_norm": "running"})
     CriticConfig.from_any({"strategy": "megatron", "model": {"value_head_dtype": "float32"}})
+
+
+def test_the_ablation_script_runs_a_configuration_and_tabulates_it():
+    """bench/ablation.py end to end on a tiny budget: an EV curve per run, and a table row per configuration."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "ablation.py"
+    spec = importlib.util.spec_from_file_location("ablation", path)
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    tiny = ["trainer.rollout_batch_size=8", "trainer.eval_size=16", "critic.ppo_mini_batch_size=4"]
+    tiny += ["critic.ppo_micro_batch_size_per_gpu=4", "critic.model.override_config.hidden_size=32"]
+    runs = [
+        ablation.run_one(name, [*ablation.CONFIGS[name][1], *tiny], seed=0, steps=4, eval_every=2, target=-1.0)
+        for name in ("plain", "new_default")
+    ]
+    assert [[s for s, _, _ in r["curve"]] for r in runs] == [[2, 4], [2, 4]]
+    assert all(r["steps_to_target"] == 2 and r["best_ev"] == max(ev for _, ev, _ in r["curve"]) for r in runs)
+    text = ablation.table(runs, (-1.0, 2.0), timing={"plain": 0.5})
+    rows = text.splitlines()[2:]
+    assert rows[0].startswith("| plain | 1 | 2 (2) | 1 | — (—) | — |") and rows[1].startswith("| new_default | 1 |")
