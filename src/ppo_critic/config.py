@@ -128,6 +128,7 @@ class CriticConfig:
     vf_loss_type: str = "mse"
     huber_delta: float = 1.0
     value_norm: str | bool = "off"  # a bare `off` in YAML / on the command line reads as false: the same
+    ema_decay: float = 0.0  # > 0: compute_values uses a moving average of the weights (ppo_critic.ema)
     grad_clip: float | None = 1.0
     ulysses_sequence_parallel_size: int = 1
     dtype: str | None = None
@@ -210,6 +211,7 @@ class CriticConfig:
             errors.append(f"dtype={self.dtype!r} is unknown; use one of {sorted(DTYPES)} or null for the default")
         if not (isinstance(self.huber_delta, int | float) and self.huber_delta > 0):
             errors.append(f"huber_delta={self.huber_delta!r} must be a positive number")
+        errors += self.ema_errors()
         for name in ("cliprange_value", "grad_clip", "loss_scale_factor"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and value > 0):
@@ -244,6 +246,22 @@ class CriticConfig:
         errors += self.model_errors() + self.optim_errors()
         if errors:
             raise ValueError("invalid critic config:\n  - " + "\n  - ".join(prefix + e for e in errors))
+
+    def ema_errors(self) -> list[str]:
+        """`ema_decay` is a number in [0, 1) and works where the average can live beside the parameters."""
+        decay = self.ema_decay
+        if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 <= decay < 1:
+            return [f"ema_decay={decay!r} must be a number in [0, 1) (0: off; e.g. 0.9)"]
+        if not decay:
+            return []
+        if self.strategy in ("megatron", "fsdp"):
+            return [f"ema_decay > 0 is not supported with strategy={self.strategy}; use none, ddp or fsdp2, or set 0"]
+        if self.value_norm == "popart":
+            return [
+                "ema_decay > 0 with value_norm=popart is not supported (PopArt rescales only the live head); "
+                "use value_norm=running, or set ema_decay=0"
+            ]
+        return []
 
     def model_errors(self) -> list[str]:
         m = self.model

@@ -94,7 +94,8 @@ class CriticWorker:
     ) -> Path:
         """Model, optimizer, schedule, torch RNG, step and value-normalisation statistics, plus the caller's
         `tensors` and JSON `state`."""
-        tensors = {"rng/torch": torch.get_rng_state(), **self._value_norm_state(), **(tensors or {})}
+        own = {"rng/torch": torch.get_rng_state(), **self._value_norm_state(), **self._ema_state()}
+        tensors = {**own, **(tensors or {})}
         state = {"worker_step": self.step, "scheduler": self.scheduler.state_dict(), **(state or {})}
         return save_checkpoint(root, self.step, self.model, self.optimizer, tensors, state, keep_last_n)
 
@@ -102,15 +103,25 @@ class CriticWorker:
         self, path: str | Path, tensors: dict[str, Tensor] | None = None
     ) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Restore what `save_checkpoint` wrote; `tensors` are templates (shape/dtype) for the caller's tensors."""
-        norm = self._value_norm_state()
-        templates = {"rng/torch": torch.get_rng_state(), **norm, **(tensors or {})}
+        norm, ema = self._value_norm_state(), self._ema_state()
+        templates = {"rng/torch": torch.get_rng_state(), **norm, **ema, **(tensors or {})}
         loaded, state = load_checkpoint(path, self.model, self.optimizer, templates)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["worker_step"])
         torch.set_rng_state(loaded.pop("rng/torch"))
         if norm:
             self.critic.value_norm.load_state_dict({k: loaded.pop(k) for k in norm})
+        with torch.no_grad():
+            for key, average in ema.items():  # DCP loads in place; copy in case a tensor came back new
+                got = loaded.pop(key)
+                if got is not average:
+                    average.copy_(got)
         return loaded, state
+
+    def _ema_state(self) -> dict[str, Tensor]:
+        """The moving average of `critic.ema_decay` (the live tensors, sharded like the parameters; or nothing)."""
+        ema = getattr(self.critic, "ema", None)
+        return ema.state_dict() if ema is not None else {}
 
     def _value_norm_state(self) -> dict[str, Tensor]:
         """The return statistics of `critic.value_norm` (CPU copies; nothing when it is off)."""
@@ -132,7 +143,12 @@ class CriticWorker:
     def export_hf(self, out_dir: str | Path) -> Path:
         """The critic as an HF checkpoint that predicts raw values: a LoRA critic is exported merged (adapters folded
         into the base weights, so it loads without peft), and under `value_norm` the return statistics are folded
-        into the value head (`w·σ`, `b·σ + μ`). Either way the export gives the values `compute_values` gives."""
+        into the value head (`w·σ`, `b·σ + μ`); under `ema_decay` the weights are the moving average. Either way the
+        export gives the values `compute_values` gives."""
+        with self.critic.averaged_weights():  # under ema_decay: the average, which compute_values uses
+            return self._export_hf(out_dir)
+
+    def _export_hf(self, out_dir: str | Path) -> Path:
         lora, norm = bool(self.config.model.lora_rank), self.critic.value_norm
         if not lora and not norm.enabled:
             return export_hf(self.model, out_dir)

@@ -1,5 +1,6 @@
-"""Value normalisation and LoRA critics at DP=2 (gloo): the return statistics are reduced over the ranks (every
-rank holds the statistics of the whole global batch), and updates, values and HF exports equal one process's."""
+"""Value normalisation, LoRA critics and weight averaging (`ema_decay`) at DP=2 (gloo): the return statistics are
+reduced over the ranks (every rank holds the statistics of the whole global batch), and updates, values, HF exports
+and resumed checkpoints equal one process's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from test_layouts import HERE, torchrun
 from transformers import AutoModelForTokenClassification
-from value_norm_cases import CASES, NO_EXPORT, batches
+from value_norm_cases import CASES, NO_EXPORT, RESUMED, batches
 
 from ppo_critic.worker import CriticWorker
 
@@ -43,6 +44,8 @@ def test_dp2_matches_one_process(dp2, name):
     batch = batches()[0]
     values = reference.compute_values(batch)
     torch.testing.assert_close(torch.tensor(report[name]["values"]), values, rtol=1e-5, atol=1e-5)
+    if name in RESUMED:  # the checkpoint holds the (sharded) average: a fresh worker gives the same values
+        assert report[name]["resumed_values"] == report[name]["values"]
     if name in NO_EXPORT:
         return
     hf = AutoModelForTokenClassification.from_pretrained(out / name)  # merged / statistics folded in

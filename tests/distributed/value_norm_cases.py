@@ -1,4 +1,5 @@
-"""The configurations and batches shared by `value_norm_worker.py` (under torchrun) and its test (one process)."""
+"""The configurations (value normalisation, LoRA, weight averaging) and batches shared by `value_norm_worker.py`
+(under torchrun) and its test (one process)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ BASE = {
 }
 
 
-def case(strategy: str, value_norm: str = "off", lora_rank: int = 0) -> dict:
+def case(strategy: str, value_norm: str = "off", lora_rank: int = 0, ema_decay: float = 0.0) -> dict:
     model = {**BASE["model"], "lora_rank": lora_rank}
-    return {**BASE, "strategy": strategy, "value_norm": value_norm, "model": model}
+    return {**BASE, "strategy": strategy, "value_norm": value_norm, "ema_decay": ema_decay, "model": model}
 
 
 # export_hf of an FSDP1 critic crashes (SIGSEGV) on CPU/gloo, value_norm or not: not exported here
@@ -29,7 +30,11 @@ CASES = {
     "popart_fsdp": case("fsdp", "popart"),
     "lora_ddp": case("ddp", lora_rank=4),
     "lora_fsdp2": case("fsdp2", "running", lora_rank=4),
+    "ema_ddp": case("ddp", "running", ema_decay=0.5),
+    "ema_fsdp2": case("fsdp2", "running", ema_decay=0.5),
+    "ema_lora_fsdp2": case("fsdp2", lora_rank=4, ema_decay=0.5),
 }
+RESUMED = {"ema_ddp", "ema_fsdp2"}  # also saved, loaded into a fresh worker and evaluated again
 
 
 def batches() -> list[dict[str, torch.Tensor]]:

@@ -1,7 +1,8 @@
-"""Run under `torchrun --nproc_per_node=2`: CriticWorkers with value normalisation and with LoRA per strategy.
+"""Run under `torchrun --nproc_per_node=2`: CriticWorkers with value normalisation, LoRA and weight averaging.
 
 argv: <out_dir>. For each case, two updates on the global batches of `cases.batches()`; rank 0 writes the
-return statistics (and each rank's copy of them), the values after the updates, and an HF export.
+return statistics (and each rank's copy of them), the values after the updates, and an HF export; `RESUMED` cases
+also the values of a fresh worker that loaded their checkpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from value_norm_cases import CASES, NO_EXPORT, batches
+from value_norm_cases import CASES, NO_EXPORT, RESUMED, batches
 
 from ppo_critic.worker import CriticWorker
 
@@ -37,6 +38,13 @@ def main() -> None:
                 "stats": [s.tolist() for s in every_rank],
                 "values": values.tolist(),
             }
+        if name in RESUMED:
+            path = worker.save_checkpoint(out / f"{name}_ckpt")
+            resumed = CriticWorker(config, device="cpu", seed=1)  # other weights and average until loaded
+            resumed.load_checkpoint(path)
+            again = resumed.compute_values(batches()[0])
+            if dist.get_rank() == 0:
+                report[name]["resumed_values"] = again.tolist()
     if dist.get_rank() == 0:
         (out / "report.json").write_text(json.dumps(report))
     dist.destroy_process_group()

@@ -168,7 +168,8 @@ class PPOCriticBase:
         batch = batch.select((*MODEL_KEYS, "response_mask", MULTI_MODAL)).to(self.device, non_blocking=True)
         groups = self._micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
         self._set_training(False)
-        values = self.value_norm.denormalise(self._values(batch, groups))
+        with self.averaged_weights():
+            values = self.value_norm.denormalise(self._values(batch, groups))
         values = torch.where(batch.response_mask.bool(), values, 0.0).float().cpu()
         replica = self.perf.world_size // self.dp_size  # this rank's share of the devices: the replica's
         tokens, flops = float(batch["attention_mask"].sum()), self.perf.forward_flops(batch)
@@ -224,6 +225,10 @@ class PPOCriticBase:
             result["critic/vpred_mean"] = mean + std * result["critic/vpred_mean"]
             result |= {"critic/value_norm_mean": mean, "critic/value_norm_std": std}
         return result
+
+    def averaged_weights(self) -> contextlib.AbstractContextManager[None]:
+        """The weights `compute_values` runs with: the live ones, or their moving average under `ema_decay`."""
+        return contextlib.nullcontext()
 
     def _value_head(self) -> contextlib.AbstractContextManager[torch.nn.Linear]:
         """The model's `Linear(hidden, 1)` value head, editable in place inside the context (for PopArt)."""

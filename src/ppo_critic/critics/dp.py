@@ -18,6 +18,7 @@ from ppo_critic.batch import MULTI_MODAL, Batch
 from ppo_critic.batching import restore_order
 from ppo_critic.config import CriticConfig
 from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics, compute_dtype
+from ppo_critic.ema import ParameterEMA
 from ppo_critic.models.hf import find_value_head, token_values
 from ppo_critic.packing import pack
 from ppo_critic.parallel.fsdp import average_plain_gradients, clip_grad_norm
@@ -43,6 +44,13 @@ class DataParallelPPOCritic(PPOCriticBase):
         if self.sp_size > 1:
             check_heads_of(critic_module, self.sp_size)
         self.value_norm = ValueNormalizer(self.config.value_norm, self.device)
+        self.ema = None
+        if self.config.ema_decay:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            if isinstance(critic_module, FullyShardedDataParallel):  # flat shards DCP cannot tell apart
+                raise ValueError("critic.ema_decay > 0 is not supported with FSDP1; use FSDP2 (fully_shard) or DDP")
+            self.ema = ParameterEMA(critic_module, self.config.ema_decay)
         if self.value_norm.mode == "popart" and getattr(*find_value_head(critic_module)).bias is None:
             raise ValueError("value_norm=popart needs a value head with a bias (the mean shift goes there)")
         inner = getattr(critic_module, "module", critic_module)  # DDP / FSDP1
@@ -74,9 +82,27 @@ class DataParallelPPOCritic(PPOCriticBase):
             with FullyShardedDataParallel.summon_full_params(self.critic_module, writeback=True):
                 yield getattr(parent, name)
             return
+        self._reshard()
+        yield getattr(parent, name)
+
+    @contextlib.contextmanager
+    def averaged_weights(self) -> Iterator[None]:
+        """Under `ema_decay`, the moving average swapped into the (sharded) parameters, and the live ones back after;
+        FSDP2's root is resharded on both sides, so neither swap is hidden behind its unsharded copy."""
+        if self.ema is None:
+            yield
+            return
+        self._reshard()
+        with self.ema.applied():
+            try:
+                yield
+            finally:
+                self._reshard()
+
+    def _reshard(self) -> None:
+        """FSDP2 keeps the root's parameters unsharded after a forward; reshard so the sharded ones are in use."""
         if hasattr(self.critic_module, "reshard"):  # FSDP2's FSDPModule
             self.critic_module.reshard()
-        yield getattr(parent, name)
 
     def _lr(self) -> float:
         return self.critic_optimizer.param_groups[0]["lr"]
@@ -107,6 +133,8 @@ class DataParallelPPOCritic(PPOCriticBase):
                 grad_norm = torch.full_like(grad_norm, float("nan"))  # skipped and counted like a bad gradient
             if torch.isfinite(grad_norm):
                 self.critic_optimizer.step()
+                if self.ema is not None:
+                    self.ema.update()
             self.critic_optimizer.zero_grad(set_to_none=True)
         metrics.add_step(step_loss / self.groups.world_size, grad_norm)
 

@@ -1,0 +1,63 @@
+"""`critic.ema_decay`: an exponential moving average (Polyak average) of the critic's trainable parameters.
+
+`update_critic` trains the live parameters and, after every optimizer step it takes, moves the average toward
+them: `avg ← decay·avg + (1 − decay)·param`. `compute_values` (and so the returns a trainer bootstraps from, the
+old values of the clipped loss and the HF export) uses the average: a critic whose outputs do not carry the noise
+of the last few steps. The average is kept per local shard (plain, DDP or FSDP2 DTensor parameters), so it costs
+one copy of the trainable parameters and no communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+
+def _local(t: Tensor) -> Tensor:
+    """The tensor a rank holds: a DTensor's local shard (an alias, so in-place edits reach the parameter)."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class ParameterEMA:
+    """The moving average of `module`'s trainable parameters (named as in `module.named_parameters()`)."""
+
+    def __init__(self, module: nn.Module, decay: float):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"critic.ema_decay={decay!r} must be in (0, 1) (0 turns the average off)")
+        self.decay = decay
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        with torch.no_grad():
+            self.average = [p.detach().clone() for p in self.params]  # DTensors stay DTensors (for checkpoints)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """One step of the average toward the live parameters."""
+        for avg, p in zip(self.average, self.params, strict=True):
+            _local(avg).lerp_(_local(p.detach()), 1.0 - self.decay)
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        """Exchange the live parameters and the average in place (twice restores both, bit for bit)."""
+        for avg, p in zip(self.average, self.params, strict=True):
+            a, live = _local(avg), _local(p.detach())
+            held = live.clone()
+            live.copy_(a)
+            a.copy_(held)
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """The average in place of the live parameters inside the context."""
+        self.swap()
+        try:
+            yield
+        finally:
+            self.swap()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The average by parameter name, for checkpoints (the tensors themselves: a load fills them in place)."""
+        return {f"ema/{n}": avg for n, avg in zip(self.names, self.average, strict=True)}
