@@ -46,6 +46,7 @@ def test_bench_reports_every_path_against_the_padded_baseline(tmp_path, command,
     ("options", "message"),
     [
         (["paths=padded,fast"], "paths='padded,fast'"),
+        (["paths=packed+turbo"], "levers from ('dyn', 'fused', 'compile')"),
         (["batch=6", "micro=4"], "batch=6 must be a multiple of micro=4"),
         (["fill=0"], "fill=0"),
         (["repeat=2"], "did you mean 'repeats'"),
@@ -72,3 +73,24 @@ def test_ulysses_memory_benchmark_runs_single_process():
     assert result.returncode == 0, result.stderr
     row = json.loads(result.stdout.strip().splitlines()[-1])
     assert row["sp"] == 1 and row["tokens"] == 64 and row["peak_activation_mib"] >= 0
+
+
+def test_bench_levers_build_their_workers_and_profile_names_the_top_operators(tmp_path):
+    from ppo_critic.bench import BenchConfig, main, make_worker
+    from ppo_critic.models.compile import decoder_layers
+
+    cfg = BenchConfig(**{k: int(v) for k, v in (o.split("=") for o in TINY)}).resolved()
+    assert cfg.budget == 2 * 2 * (8 + 8)  # default: twice the padded tokens of a micro-batch
+    w = make_worker(cfg, "packed+dyn+fused+compile")
+    assert w.critic.config.use_dynamic_bsz and w.critic.config.ppo_max_token_len_per_gpu == cfg.budget
+    assert w.optimizer.defaults["fused"] is True and w.critic.use_remove_padding
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(w.model))
+
+    out = tmp_path / "result.json"
+    summary = main([*TINY, "paths=padded,packed+dyn+fused", "repeats=1", "profile=true", f"out={out}"])
+    assert set(summary["profile"]) == {"padded", "packed+dyn+fused"}
+    for ops in summary["profile"].values():
+        assert ops and all(o["ms"] >= 0 and o["calls"] >= 1 for o in ops)
+        assert sum(o["share"] for o in ops) <= 1.0 + 1e-9
+        assert [o["ms"] for o in ops] == sorted((o["ms"] for o in ops), reverse=True)
+    assert json.loads(out.read_text())["profile"] == summary["profile"]

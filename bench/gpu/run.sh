@@ -15,11 +15,14 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$out/gpu.txt"
-timeout 180 python3 -m pytest -q -rs -k cuda tests/test_packing.py tests/test_critics_dp.py \
-  tests/distributed/test_megatron.py >"$out/tests.log" 2>&1
-timeout 270 python3 -m ppo_critic bench paths=padded,packed,megatron repeats=3 out="$out/bench.json" \
-  >"$out/bench.log" 2>&1
+timeout 150 python3 -m pytest -q -rs -k cuda tests/test_packing.py tests/test_critics_dp.py \
+  tests/test_models_compile.py tests/distributed/test_megatron.py >"$out/tests.log" 2>&1
+# the baseline, the packed path, then the levers of the performance issue one by one (+dyn: token-budget
+# micro-batches; +fused: fused AdamW; +compile: torch.compile per decoder layer), megatron; one profiled update each
+timeout 330 python3 -m ppo_critic bench \
+  paths=padded,packed,packed+dyn,packed+dyn+fused,packed+dyn+fused+compile,megatron repeats=3 profile=true \
+  out="$out/bench.json" >"$out/bench.log" 2>&1
 echo "== tests"
 grep -E "passed|failed|error" "$out/tests.log" | tail -3
 echo "== ppo-critic bench: Qwen2.5-0.5B shape, bf16, 32 x (512 + 1024) rollouts, ~50 % fill"
-tail -5 "$out/bench.log"
+tail -14 "$out/bench.log"

@@ -2,10 +2,14 @@
 on one seeded rollout distribution, against the plain padded HF baseline measured in the same run.
 
 Paths: `padded` (HF model, padded batches: the baseline), `packed` (remove padding), `megatron` (TP=1/PP=1;
-CUDA, or CPU with the test-only redirect of bench/megatron_vs_dp.py). Each path is a worker built from the same
+CUDA, or CPU with the test-only redirect of bench/megatron_vs_dp.py), each optionally with levers appended:
+`+dyn` (token-budget micro-batches of `budget` tokens instead of `micro` rows), `+fused` (fused AdamW), `+compile`
+(`torch.compile` per decoder layer), e.g. `packed+dyn+fused`. Each path is a worker built from the same
 config and seed (same weights); rounds alternate the paths so machine noise hits all alike; the report holds
 median valid tokens/s, MFU (matmul + attention FLOPs over the measured matmul peak of the compute dtype) and
-peak memory, and the ratio of each path to the baseline.
+peak memory (CUDA: the peak above what was allocated before the calls, i.e. activations and gradients, since all
+paths stay resident; CPU: the process's peak RSS), and the ratio of each path to the baseline. `profile=true`
+adds the top operators of one `update_critic` per path (torch.profiler; device time on CUDA).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ppo_critic.parallel.mesh import resolve_device
 from ppo_critic.perf import peak_memory_gb
 
 PATHS = ("padded", "packed", "megatron")
+LEVERS = ("dyn", "fused", "compile")
 QWEN25_05B = {"layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "intermediate": 4864, "vocab": 151936}
 
 
@@ -49,7 +54,9 @@ class BenchConfig:
     response: int = 0
     fill: float = 0.5
     micro: int = 0
+    budget: int = 0
     repeats: int = 3
+    profile: bool = False
     seed: int = 0
     out: str | None = None
 
@@ -65,9 +72,14 @@ class BenchConfig:
                 setattr(cfg, name, value)
         if cfg.intermediate == 0:
             cfg.intermediate = 4 * cfg.hidden
-        unknown = [p for p in cfg.path_list() if p not in PATHS]
+        if cfg.budget == 0:  # twice the padded tokens of a fixed micro-batch: ~4x the rows at 50 % fill
+            cfg.budget = 2 * cfg.micro * (cfg.prompt + cfg.response)
+        unknown = [p for p in cfg.path_list() if p.split("+")[0] not in PATHS or set(p.split("+")[1:]) - set(LEVERS)]
         if unknown or not cfg.path_list():
-            raise ValueError(f"paths={self.paths!r}: use a comma-separated list of {PATHS}")
+            raise ValueError(
+                f"paths={self.paths!r}: use a comma-separated list of {PATHS}, each optionally followed by levers "
+                f"from {LEVERS} joined with '+' (e.g. packed+dyn+fused)"
+            )
         if not 0 < cfg.fill <= 1:
             raise ValueError(f"fill={cfg.fill} must be in (0, 1]")
         if cfg.batch % cfg.micro:
@@ -102,6 +114,7 @@ def make_worker(cfg: BenchConfig, path: str) -> Any:
     """The worker of one path, from one config and seed (so every path holds the same weights)."""
     from ppo_critic.worker import CriticWorker, MegatronCriticWorker
 
+    base, *levers = path.split("+")
     model = {
         "override_config": {
             "model_type": "qwen2",
@@ -113,17 +126,20 @@ def make_worker(cfg: BenchConfig, path: str) -> Any:
             "vocab_size": cfg.vocab,
             "max_position_embeddings": cfg.prompt + cfg.response,
         },
-        "use_remove_padding": path == "packed",
+        "use_remove_padding": base == "packed",
+        "use_torch_compile": "compile" in levers,
     }
     critic = {
-        "strategy": "megatron" if path == "megatron" else "none",
+        "strategy": "megatron" if base == "megatron" else "none",
         "ppo_mini_batch_size": cfg.batch,
         "ppo_micro_batch_size_per_gpu": cfg.micro,
+        "use_dynamic_bsz": "dyn" in levers,
+        "ppo_max_token_len_per_gpu": cfg.budget,
         "dtype": cfg.dtype,
         "model": model,
-        "optim": {"lr": 1e-6},
+        "optim": {"lr": 1e-6, "fused": True if "fused" in levers else None},
     }
-    cls = MegatronCriticWorker if path == "megatron" else CriticWorker
+    cls = MegatronCriticWorker if base == "megatron" else CriticWorker
     return cls(critic, device=cfg.device, seed=cfg.seed)
 
 
@@ -138,9 +154,11 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     runs: dict[str, dict[str, list[float]]] = {p: {k: [] for k in keys} for p in workers}
     for repeat in range(cfg.repeats + 1):  # the first round warms up and is not counted
         for path, worker in workers.items():
-            if device.type == "cuda":
+            held = 0.0
+            if device.type == "cuda":  # every path's weights and optimizer state stay resident: count the increment
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+                held = torch.cuda.memory_allocated(device) / 2**30
             forward = _timed(lambda w=worker: w.compute_values(batch), device)
             compute_mfu = worker.critic.last_compute_metrics.get("perf/compute_values_mfu", 0.0)
             metrics: dict[str, float] = {}
@@ -151,7 +169,8 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
                 row["update_critic"].append(valid / update)
                 row["compute_values_mfu"].append(compute_mfu)
                 row["update_critic_mfu"].append(metrics.get("perf/mfu", 0.0))
-                row["peak_gb"].append(peak_memory_gb(device))
+                row["peak_gb"].append(peak_memory_gb(device) - held)
+    profiles = {path: profile(worker, batch, device) for path, worker in workers.items()} if cfg.profile else {}
     medians = {p: {k: statistics.median(v) for k, v in r.items()} for p, r in runs.items()}
     base = medians.get("padded")
     ratios = {p: {k: m[k] / base[k] for k in ("compute_values", "update_critic")} for p, m in medians.items() if base}
@@ -164,7 +183,27 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         "median": medians,
         "vs_padded": ratios,
         "runs": runs,
+        "profile": profiles,
     }
+
+
+def profile(worker: Any, batch: dict[str, Tensor], device: torch.device, top: int = 12) -> list[dict[str, Any]]:
+    """The operators taking the most time in one `update_critic` (self time: device time on CUDA, else CPU)."""
+    from torch.profiler import ProfilerActivity
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with torch.profiler.profile(activities=activities) as prof:
+        worker.update_critic(batch)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1.0
+    return [
+        {"op": e.key, "ms": getattr(e, key) / 1e3, "share": getattr(e, key) / total, "calls": e.count}
+        for e in events[:top]
+    ]
 
 
 def report(summary: dict[str, Any]) -> str:
@@ -184,6 +223,9 @@ def report(summary: dict[str, Any]) -> str:
             f"{path:10} {m['compute_values']:>13.0f} {m['update_critic']:>13.0f} {m['compute_values_mfu']:>11.3f} "
             f"{m['update_critic_mfu']:>11.3f} {m['peak_gb']:>9.2f} {vs:>16}"
         )
+    for path, ops in summary.get("profile", {}).items():
+        top = "; ".join(f"{o['op']} {o['share']:.0%}" for o in ops[:5])
+        lines.append(f"top operators of one update, {path}: {top}")
     return "\n".join(lines)
 
 

@@ -45,6 +45,7 @@ class OptimConfig:
     total_training_steps: int = -1
     warmup_style: str = "constant"
     min_lr_ratio: float | None = None
+    fused: bool | None = None  # AdamW's fused kernel: true / false, or null for torch's default (foreach)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class ModelConfig:
     value_head_init: str = "default"
     value_head_dtype: str | None = None
     attn_implementation: str | None = None
+    use_torch_compile: bool = False  # torch.compile each decoder layer (ppo_critic.models.compile)
 
 
 @dataclass
@@ -241,6 +243,8 @@ class CriticConfig:
                 errors.append("value_norm=popart is not supported with strategy=megatron yet; use running or off")
             if self.model.lora_rank:
                 errors.append("model.lora_rank > 0 (LoRA) is not supported with strategy=megatron; set 0")
+            if self.model.use_torch_compile:
+                errors.append("model.use_torch_compile is not supported with strategy=megatron; set false")
             if self.model.value_head_dtype not in (None, "float32", "fp32"):
                 errors.append("model.value_head_dtype: the megatron value head is always float32; set null or float32")
         errors += self.model_errors() + self.optim_errors()
@@ -307,6 +311,10 @@ class CriticConfig:
             errors.append(f"optim.eps={o.eps!r} must be a positive number")
         if o.min_lr_ratio is not None and not 0 <= o.min_lr_ratio <= 1:
             errors.append(f"optim.min_lr_ratio={o.min_lr_ratio!r} must be in [0, 1]")
+        if o.fused is not None and not isinstance(o.fused, bool):
+            errors.append(f"optim.fused={o.fused!r} must be true, false or null (torch's default)")
+        elif o.fused and (o.optimizer != "adamw" or self.strategy == "megatron"):
+            errors.append("optim.fused=true applies to AdamW on the data-parallel backends; set null")
         return errors
 
 

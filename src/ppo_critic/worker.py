@@ -21,6 +21,7 @@ from ppo_critic.batch import Batch
 from ppo_critic.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from ppo_critic.config import CriticConfig, ModelConfig, OptimConfig, per_rank
 from ppo_critic.critics import DataParallelPPOCritic, MegatronPPOCritic
+from ppo_critic.models.compile import compile_decoder_layers
 from ppo_critic.models.hf import build_value_model
 from ppo_critic.parallel.fsdp import parallelize
 from ppo_critic.parallel.mesh import Groups, init_distributed, parallel_groups, resolve_device
@@ -53,6 +54,8 @@ class CriticWorker:
             model.gradient_checkpointing_enable()
             if self.config.model.lora_rank:
                 model.enable_input_require_grads()  # else checkpointed layers of a frozen backbone get no grads
+        if self.config.model.use_torch_compile:  # before sharding: FSDP2 wraps the compiled layers
+            compile_decoder_layers(model)
         offload = bool(self.config.model.fsdp_config.get("param_offload", False))
         self.model = parallelize(model, self.config.strategy, self.device, cpu_offload=offload)
         self.optimizer = _torch_optimizer([p for p in self.model.parameters() if p.requires_grad], optim)
@@ -394,7 +397,12 @@ def _torch_optimizer(params: Any, optim: OptimConfig) -> torch.optim.Optimizer:
     if optim.optimizer == "sgd":
         return torch.optim.SGD(params, lr=optim.lr, weight_decay=optim.weight_decay)
     return torch.optim.AdamW(
-        params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
+        params,
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        fused=optim.fused,
     )
 
 
