@@ -258,8 +258,8 @@ class CriticConfig:
             return [f"ema_decay={decay!r} must be a number in [0, 1) (0: off; e.g. 0.9)"]
         if not decay:
             return []
-        if self.strategy in ("megatron", "fsdp"):
-            return [f"ema_decay > 0 is not supported with strategy={self.strategy}; use none, ddp or fsdp2, or set 0"]
+        if self.strategy == "fsdp":
+            return ["ema_decay > 0 is not supported with strategy=fsdp (FSDP1); use fsdp2, ddp or none, or set 0"]
         if self.value_norm == "popart":
             return [
                 "ema_decay > 0 with value_norm=popart is not supported (PopArt rescales only the live head); "

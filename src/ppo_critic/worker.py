@@ -238,8 +238,10 @@ class MegatronCriticWorker(CriticWorker):
         return gather_hf_weights(self.model, self.shapes)
 
     def export_hf(self, out_dir: str | Path) -> Path:
-        """The gathered HF weights; under `value_norm` the statistics are folded into the head (raw values)."""
-        state = self.hf_state_dict()
+        """The gathered HF weights (the moving average under `ema_decay`); under `value_norm` the statistics are folded
+        into the head (raw values)."""
+        with self.critic.averaged_weights():
+            state = self.hf_state_dict()
         with torch.device("meta"):
             skeleton = model_from_config(ModelConfig(override_config=self.hf_config.to_dict()))
         norm = self.critic.value_norm
@@ -321,7 +323,8 @@ class MegatronCriticWorker(CriticWorker):
             "state": {str(i): inner.state[p] for i, p in enumerate(params) if p in inner.state},
         }
         rank = f"rank{self.rank}"
-        return {"model": {rank: model}, "optim": {rank: optim}}
+        ema = {"ema": {rank: self.critic.ema.state_dict()}} if self.critic.ema is not None else {}
+        return {"model": {rank: model}, "optim": {rank: optim}, **ema}
 
 
 def _zero_step(optimizer: torch.optim.Optimizer) -> None:

@@ -56,6 +56,7 @@ def run_layout(name: str, mode: str, ref: dict, export_dir: str) -> dict:
     values = worker.compute_values(ref["batch"])
     metrics = worker.update_critic(ref["batch"])
     after = worker.hf_state_dict()
+    values_after = worker.compute_values(ref["batch"])
     delta = torch.cat([(after[k] - before[k]).flatten() for k in expect["before"]])
     row = {
         "layout": name,
@@ -63,6 +64,7 @@ def run_layout(name: str, mode: str, ref: dict, export_dir: str) -> dict:
         "dp": worker.dp_size,
         "round_trip_exact": round_trip,
         "values_max_abs": float((values - expect["values"]).abs().max()),
+        "values_after_max_abs": float((values_after - expect["after"]).abs().max()),
         "update_rel": rel(delta, expect["delta"]),
         "metric_rel": max(
             abs(metrics[k] - expect["metrics"][k]) / max(abs(expect["metrics"][k]), 1e-6) for k in METRICS

@@ -1,7 +1,8 @@
 """Cross-backend equivalence (torchrun, 4 gloo processes): from the same HF weights (Qwen2, and Llama), the megatron
 critic at TP=1/PP=1 (DP=4), TP=2, PP=2, TP=2×PP=2 and PP=4×VPP=2 gives the data-parallel critic's values, update
-and metrics, with fixed and with dynamic micro-batches; the HF -> megatron -> HF round trip is exact; a
-non-finite gradient skips the step; the exported critic loads as an HF model."""
+and metrics (and with `ema_decay` the values after the update), with fixed and with dynamic micro-batches; the
+HF -> megatron -> HF round trip is exact; a non-finite gradient skips the step; the exported critic loads as an HF
+model."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ BASE = {
     "forward_micro_batch_size_per_gpu": 3,
     "grad_clip": 1.0,
     "ppo_max_token_len_per_gpu": 30,
+    "ema_decay": 0.5,  # values after the update come from the weights' moving average
     "model": {"override_config": tiny_config("qwen2", num_hidden_layers=8), "value_head_init": "normal:0.3"},
     # Adam with eps far above every gradient entry: the update is lr/eps × gradient, without the first step's
     # sign(gradient) that would turn float noise (e.g. in the key bias, whose true gradient is 0) into ±lr
@@ -61,7 +63,8 @@ def reference(path: Path, configs: dict = CONFIGS) -> dict:
         metrics = worker.update_critic(batch)
         after = worker.model.state_dict()
         delta = torch.cat([(after[k] - v).flatten() for k, v in before.items()])
-        modes[mode] = {"before": before, "values": values, "metrics": metrics, "delta": delta}
+        values_after = worker.compute_values(batch)
+        modes[mode] = {"before": before, "values": values, "metrics": metrics, "delta": delta, "after": values_after}
     ref = {"batch": batch, "configs": configs, "modes": modes}
     torch.save(ref, path)
     return ref
@@ -79,18 +82,20 @@ def test_megatron_layouts_equal_the_data_parallel_critic(tmp_path):
     assert {r["layout"]: r["dp"] for r in rows} == {"tp1pp1": 4, "tp2": 2, "pp2": 2, "tp2pp2": 1, "pp4vpp2": 1}
     for r in rows:
         assert r["round_trip_exact"], r
-        assert r["values_max_abs"] <= 1e-4, r
+        assert r["values_max_abs"] <= 1e-4 and r["values_after_max_abs"] <= 1e-4, r
         assert r["update_rel"] <= 1e-4, r
         assert r["metric_rel"] <= 1e-4, r
         assert r["skipped"] == 0 and r["lr"] == pytest.approx(50.0 if r["mode"] == "fixed" else 0.05), r
     (special,) = [r for r in rows if "nonfinite_skipped" in r]
     assert special["nonfinite_skipped"] == 2 and special["nonfinite_unchanged"], special
 
-    # the TP=2×PP=2 critic exported after its update loads as an ordinary HF critic with the same weights
+    # the TP=2×PP=2 critic exported after its update loads as an ordinary HF critic with the same weights (the
+    # moving average of ema_decay, as the data-parallel critic exports)
     exported = build_value_model(str(export))
     worker = CriticWorker(copy.deepcopy(CONFIGS["fixed"]) | {"megatron": {}}, seed=0)
     worker.update_critic(ref["batch"])
-    expected = worker.model.state_dict()
+    with worker.critic.averaged_weights():
+        expected = {k: v.clone() for k, v in worker.model.state_dict().items()}
     for k, v in exported.state_dict().items():
         assert (v - expected[k]).norm() <= 1e-4 * expected[k].norm().clamp(min=1e-6), k
     assert Batch.from_any(ref["batch"]).response_length == 6

@@ -9,8 +9,9 @@ and are broadcast over the pipeline group.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from ppo_critic.batch import MULTI_MODAL, Batch
 from ppo_critic.batching import restore_order
 from ppo_critic.config import CriticConfig
 from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics
+from ppo_critic.ema import ParameterEMA
 from ppo_critic.packing import CompactBatch, compact
 from ppo_critic.parallel.megatron import unwrap
 from ppo_critic.perf import ModelShape
@@ -87,6 +89,18 @@ class MegatronPPOCritic(PPOCriticBase):
         shape, world = ModelShape.from_megatron(self.tf_config), torch.distributed.get_world_size()
         self.perf = Perf(shape, world, self.device, self.tf_config.params_dtype)
         self.value_norm = ValueNormalizer(self.config.value_norm, self.device)  # popart is rejected by the config
+        decay = self.config.ema_decay  # averaged per rank over its TP/PP slice (the model parameters, not main copies)
+        self.ema = ParameterEMA(nn.ModuleList(chunks), decay) if decay else None
+
+    @contextlib.contextmanager
+    def averaged_weights(self) -> Iterator[None]:
+        """Under `ema_decay`, the moving average in place of the model parameters (the optimizer's main copies are
+        untouched and rewrite the model parameters at its next step anyway)."""
+        if self.ema is None:
+            yield
+            return
+        with self.ema.applied():
+            yield
 
     def _check_batch(self, batch: Batch) -> None:
         positions, mask = batch["position_ids"], batch["attention_mask"].bool()
@@ -154,6 +168,8 @@ class MegatronPPOCritic(PPOCriticBase):
         norm = torch.tensor(norm, dtype=torch.float64, device=self.device)
         if torch.isfinite(norm):
             optimizer.step_with_ready_grads()
+            if self.ema is not None:
+                self.ema.update()
         optimizer.zero_grad()
         return norm
 
