@@ -33,8 +33,10 @@ from ppo_critic.train import DEFAULT_MODEL, TrainConfig, train
 # verl's critic defaults (verl/trainer/config/critic/critic.yaml and dp_critic.yaml) wherever they apply to this
 # task: one PPO epoch, value clipping at 0.5 around the old values, AdamW with weight decay 0.01 and a constant
 # rate without warmup, grad clip 1.0, token-mean, no shuffling, a token-classification head with transformers'
-# default init. The rate is verl's 1e-5 in `verl_literal`; `plain` takes the rate a sweep of this configuration
-# found best for the tiny randomly initialised model (1e-5 is meant for fine-tuning a pretrained LLM).
+# default init, values from the live weights (every key is pinned: `ppo-critic train`'s own defaults differ).
+# `verl_literal` also takes verl's rate 1e-5 and verl's GAE lam 1.0 (algorithm.lam); `plain` and its variants take
+# lam 0.95 and the rates of a sweep, since 1e-5 is meant for fine-tuning a pretrained LLM and this model starts
+# random: the stricter baseline.
 PLAIN = [
     "trainer.rollout_batch_size=192",
     "trainer.lam=0.95",
@@ -42,6 +44,7 @@ PLAIN = [
     "critic.ppo_mini_batch_size=96",
     "critic.ppo_micro_batch_size_per_gpu=96",
     "critic.value_norm=off",
+    "critic.ema_decay=0.0",
     "critic.vf_loss_type=mse",
     "critic.ppo_epochs=1",
     "critic.cliprange_value=0.5",
@@ -70,7 +73,7 @@ PREVIOUS_DEFAULTS = [
     "critic.model.value_head_init=zero",
     *COSINE,
 ]
-NEW_DEFAULT = [
+NORM_WARMUP = [  # the candidate defaults before critic.ema_decay existed
     *PLAIN,
     "critic.value_norm=running",
     "critic.model.value_head_init=zero",
@@ -79,12 +82,16 @@ NEW_DEFAULT = [
     "trainer.lam=0.5",
     "trainer.critic_warmup_steps=50",
 ]
+NEW_DEFAULT = [*PLAIN, "trainer.lam=0.5", "critic.ema_decay=0.9"]  # the defaults of `ppo-critic train`
 
 REWARD_MODEL = "{reward_model}"  # replaced by the directory of the seed's reward model (see `reward_model`)
 
 
 CONFIGS: dict[str, tuple[str, list[str]]] = {
-    "verl_literal": ("verl's defaults verbatim (lr 1e-5)", [*PLAIN, "critic.optim.lr=1e-5"]),
+    "verl_literal": (
+        "verl's defaults verbatim (lr 1e-5, GAE lam 1.0)",
+        [*PLAIN, "critic.optim.lr=1e-5", "trainer.lam=1.0"],
+    ),
     "plain_lr1e-4": ("plain with lr 1e-4 (lr sweep)", [*PLAIN, "critic.optim.lr=1e-4"]),
     "plain_lr3e-4": ("plain with lr 3e-4 (lr sweep)", [*PLAIN, "critic.optim.lr=3e-4"]),
     "plain": ("verl's defaults, lr 1e-3 (best of the sweep)", PLAIN),
@@ -107,6 +114,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     ),
     "cosine": ("plain + lr 3e-3, warmup 10, cosine to 0.1, no weight decay", [*PLAIN, *COSINE]),
     "lam05": ("plain + trainer.lam=0.5", [*PLAIN, "trainer.lam=0.5"]),
+    "lam05_cosine": ("plain + trainer.lam=0.5 + the cosine schedule above", [*PLAIN, "trainer.lam=0.5", *COSINE]),
     "critic_warmup": (
         "plain + lam 0.5 after trainer.critic_warmup_steps=50 (Monte-Carlo returns first)",
         [*PLAIN, "trainer.lam=0.5", "trainer.critic_warmup_steps=50"],
@@ -115,8 +123,33 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         "plain + backbone and head from a reward model of the task (200 steps of outcome regression)",
         [*PLAIN, f"critic.model.value_head_init=from_reward_model:{REWARD_MODEL}"],
     ),
+    "from_reward_model_ema95": (
+        "from_reward_model + critic.ema_decay=0.95",
+        [*PLAIN, f"critic.model.value_head_init=from_reward_model:{REWARD_MODEL}", "critic.ema_decay=0.95"],
+    ),
     "lora": ("plain + LoRA rank 8 (alpha 16), lr 3e-3", [*PLAIN, "critic.model.lora_rank=8", "critic.optim.lr=3e-3"]),
-    "new_default": ("the new defaults of `ppo-critic train`", NEW_DEFAULT),
+    "ema": ("plain + critic.ema_decay=0.9 (values from an average of the weights)", [*PLAIN, "critic.ema_decay=0.9"]),
+    "new_default": ("the defaults of `ppo-critic train`: plain + lam 0.5 + critic.ema_decay=0.9", NEW_DEFAULT),
+    "lam05_ema95": ("new_default with critic.ema_decay=0.95", [*NEW_DEFAULT, "critic.ema_decay=0.95"]),
+    "lam05_ema_lr3e-3": ("new_default with lr 3e-3", [*NEW_DEFAULT, "critic.optim.lr=3e-3"]),
+    "lam05_cosine_ema": (
+        "lam05_cosine + critic.ema_decay=0.9",
+        [*PLAIN, "trainer.lam=0.5", *COSINE, "critic.ema_decay=0.9"],
+    ),
+    "lam05_cosine_ema95": (
+        "lam05_cosine + critic.ema_decay=0.95",
+        [*PLAIN, "trainer.lam=0.5", *COSINE, "critic.ema_decay=0.95"],
+    ),
+    "lam05_cosine_ema95_no_clip": (
+        "lam05_cosine_ema95 + cliprange_value=null",
+        [*PLAIN, "trainer.lam=0.5", *COSINE, "critic.ema_decay=0.95", "critic.cliprange_value=null"],
+    ),
+    "norm_warmup": (
+        "running value_norm, zero head, no clipping, lr 3e-3 cosine, lam 0.5 after 50 Monte-Carlo warmup steps",
+        NORM_WARMUP,
+    ),
+    "norm_warmup_ema": ("norm_warmup + critic.ema_decay=0.9", [*NORM_WARMUP, "critic.ema_decay=0.9"]),
+    "norm_no_warmup": ("norm_warmup without the critic warmup", [*NORM_WARMUP, "trainer.critic_warmup_steps=0"]),
 }
 
 
@@ -268,7 +301,9 @@ def main() -> None:
     targets = tuple(args.table_targets)
     if args.report is not None:
         files = [json.loads(Path(f).read_text()) for f in args.report]
+        order = list(CONFIGS)
         merged = [r for f in files for r in f.get("results", [])]
+        merged.sort(key=lambda r: order.index(r["config"]) if r["config"] in order else len(order))
         timing = {k: v for f in files for k, v in f.get("timing", {}).items()}
         out.write_text(json.dumps({"results": merged, "timing": timing, "configs": CONFIGS}, indent=1))
         out.with_suffix(".md").write_text(table(merged, targets, timing) + "\n")

@@ -27,7 +27,13 @@ def run_cli(args, capsys):
 def test_train_help_lists_every_option_with_its_default(capsys):
     code, text = run_cli(["train", "--help"], capsys)
     assert code == 0
-    for line in ("trainer.steps=400", "critic.ppo_epochs=1", "task.min_count=2", "critic.optim.lr=0.003"):
+    for line in (
+        "trainer.steps=400",
+        "critic.ppo_epochs=1",
+        "task.min_count=2",
+        "critic.optim.lr=0.001",
+        "critic.ema_decay=0.9",
+    ):
         assert line in text
     assert "trainer.resume=auto" in text
 

@@ -226,3 +226,24 @@ def test_the_ablation_script_runs_a_configuration_and_tabulates_it():
     text = ablation.table(runs, (-1.0, 2.0), timing={"plain": 0.5})
     rows = text.splitlines()[2:]
     assert rows[0].startswith("| plain | 1 | 2 (2) | 1 | — (—) | — |") and rows[1].startswith("| new_default | 1 |")
+
+
+def test_the_ablation_baselines_are_verls_critic_defaults_whatever_ppo_critic_train_defaults_to():
+    """`plain` pins every critic key, so changing the defaults of `ppo-critic train` cannot leak into it."""
+    import importlib.util
+    from pathlib import Path
+
+    from ppo_critic.cli import load_config
+    from ppo_critic.config import OptimConfig
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "ablation.py"
+    spec = importlib.util.spec_from_file_location("ablation", path)
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+    batches = {"strategy": "none", "ppo_mini_batch_size": 96, "ppo_micro_batch_size_per_gpu": 96}
+    for name, lr, lam in (("plain", 1e-3, 0.95), ("verl_literal", 1e-5, 1.0)):
+        cfg = load_config(None, ablation.CONFIGS[name][1])
+        assert cfg.critic == CriticConfig(**batches, optim=OptimConfig(lr=lr)), name
+        assert (cfg.trainer.lam, cfg.trainer.critic_warmup_steps) == (lam, 0)
+    new_default = load_config(None, ablation.CONFIGS["new_default"][1])
+    assert new_default.critic == load_config(None, []).critic and new_default.trainer.lam == 0.5

@@ -120,14 +120,16 @@ def _saved(run_dir):
 def test_generic_head_export_round_trips(tmp_path):
     from ppo_critic import build_value_model
 
-    # value_norm off: the exported head is the trained one (test_value_norm checks the export with statistics folded in)
+    # value_norm off: the exported head is the one compute_values uses, the weights' moving average under ema_decay
+    # (test_value_norm checks the export with statistics folded in)
     cfg = short_config(tmp_path / "run", "critic.model.head=generic", "trainer.steps=2", "critic.value_norm=off")
     train(cfg, out=io.StringIO())
     reloaded = build_value_model(tmp_path / "run" / "hf")
     worker = make_worker(load_config(None, [], base=_saved(tmp_path / "run")))
     worker.load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"))
-    assert type(reloaded).__name__ == "ValueModel"
-    torch.testing.assert_close(reloaded.score.weight, worker.model.score.weight, rtol=0, atol=0)
+    assert type(reloaded).__name__ == "ValueModel" and worker.critic.ema is not None
+    with worker.critic.averaged_weights():
+        torch.testing.assert_close(reloaded.score.weight, worker.model.score.weight, rtol=0, atol=0)
     assert reloaded.score.weight.abs().sum() > 0
 
 
