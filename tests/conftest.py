@@ -56,6 +56,17 @@ def make_batch(
     }
 
 
+def exported_values(out_dir, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What an HF token-classification export gives for `batch`, in `compute_values`' layout: the logit at the
+    position before each response token, 0 at padding."""
+    from transformers import AutoModelForTokenClassification
+
+    hf = AutoModelForTokenClassification.from_pretrained(out_dir)
+    out = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    r = batch["responses"].shape[1]
+    return torch.where(batch["attention_mask"][:, -r:].bool(), out.logits.squeeze(-1)[:, -r - 1 : -1], 0.0)
+
+
 def edited(tensors: dict, **changes) -> dict:
     """A copy of `tensors` with keys replaced (a value of None removes the key)."""
     out = dict(tensors)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import exported_values
 from ppo_critic import train as train_mod
 from ppo_critic.checkpoint import latest_checkpoint
 from ppo_critic.cli import load_config
@@ -96,18 +97,13 @@ def test_resume_is_bit_identical_and_ignores_incomplete_checkpoints(tmp_path, mo
 
 
 def test_export_loads_with_from_pretrained_and_gives_the_same_values(tmp_path):
-    from transformers import AutoModelForTokenClassification
-
     cfg = short_config(tmp_path / "run")
     train(cfg, out=io.StringIO())
     worker = make_worker(load_config(None, [], base=_saved(tmp_path / "run")))
     worker.load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"))
     batch = train_mod.TaskSource(cfg).eval_batch
     expected = worker.compute_values(batch)
-    hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "run" / "hf")
-    out = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
-    r = batch["responses"].shape[1]
-    got = torch.where(batch["response_mask"].bool(), out.logits.squeeze(-1)[:, -r - 1 : -1], 0.0)
+    got = exported_values(tmp_path / "run" / "hf", batch)
     assert (got - expected).abs().max().item() <= 1e-6
 
 

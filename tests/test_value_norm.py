@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_batch, tiny_config
+from conftest import exported_values, make_batch, tiny_config
 from ppo_critic import CriticConfig, DataParallelPPOCritic
 from ppo_critic.algos import explained_variance
 from ppo_critic.value_norm import ValueNormalizer, preserve_outputs
@@ -164,8 +164,6 @@ WORKER = {
 
 
 def test_statistics_survive_checkpoint_resume_and_the_export_predicts_raw_values(tmp_path):
-    from transformers import AutoModelForTokenClassification
-
     worker = CriticWorker(WORKER, device="cpu")
     for seed in range(2):
         batch = shifted_batch(seed)
@@ -185,10 +183,7 @@ def test_statistics_survive_checkpoint_resume_and_the_export_predicts_raw_values
     assert torch.equal(resumed.compute_values(batch), worker.compute_values(batch))
 
     worker.export_hf(tmp_path / "hf")
-    hf = AutoModelForTokenClassification.from_pretrained(tmp_path / "hf")
-    out = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
-    mask = batch["attention_mask"][:, -5:].bool()
-    got = torch.where(mask, out.logits.squeeze(-1)[:, -6:-1], 0.0)
+    got = exported_values(tmp_path / "hf", batch)
     torch.testing.assert_close(got, worker.compute_values(batch), rtol=1e-5, atol=1e-4)
 
 

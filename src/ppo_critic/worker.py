@@ -123,8 +123,7 @@ class CriticWorker:
 
     def _ema_state(self) -> dict[str, Tensor]:
         """The moving average of `critic.ema_decay` (the live tensors, sharded like the parameters; or nothing)."""
-        ema = getattr(self.critic, "ema", None)
-        return ema.state_dict() if ema is not None else {}
+        return self.critic.ema.state_dict() if self.critic.ema is not None else {}
 
     def _value_norm_state(self) -> dict[str, Tensor]:
         """The return statistics of `critic.value_norm` (CPU copies; nothing when it is off)."""

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 from test_layouts import HERE, torchrun
-from transformers import AutoModelForTokenClassification
 from value_norm_cases import CASES, NO_EXPORT, RESUMED, batches
 
+from conftest import exported_values
 from ppo_critic.worker import CriticWorker
 
 
@@ -48,9 +48,5 @@ def test_dp2_matches_one_process(dp2, name):
         assert report[name]["resumed_values"] == report[name]["values"]
     if name in NO_EXPORT:
         return
-    hf = AutoModelForTokenClassification.from_pretrained(out / name)  # merged / statistics folded in
-    logits = hf(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-    ).logits.squeeze(-1)
-    mask = batch["attention_mask"][:, -5:].bool()
-    torch.testing.assert_close(torch.where(mask, logits[:, -6:-1], 0.0), values, rtol=1e-5, atol=1e-4)
+    got = exported_values(out / name, batch)  # merged / statistics folded in
+    torch.testing.assert_close(got, values, rtol=1e-5, atol=1e-4)

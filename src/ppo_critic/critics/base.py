@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +16,7 @@ from ppo_critic.algos import compute_value_loss
 from ppo_critic.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
 from ppo_critic.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_indices
 from ppo_critic.config import CriticConfig
+from ppo_critic.ema import ParameterEMA
 from ppo_critic.perf import ModelShape, PhaseTimer, perf_metrics
 from ppo_critic.value_norm import ValueNormalizer
 
@@ -148,6 +149,7 @@ class PPOCriticBase:
     vocab_size: int | None = None  # the embedding's rows, when the backend knows them
     last_compute_metrics: dict[str, float] | None = None
     value_norm: ValueNormalizer = ValueNormalizer("off")  # a backend supporting `critic.value_norm` sets its own
+    ema: ParameterEMA | None = None  # a backend supporting `critic.ema_decay` sets its own
 
     @torch.no_grad()
     def compute_values(self, data: Any) -> Tensor:
@@ -226,9 +228,22 @@ class PPOCriticBase:
             result |= {"critic/value_norm_mean": mean, "critic/value_norm_std": std}
         return result
 
-    def averaged_weights(self) -> contextlib.AbstractContextManager[None]:
-        """The weights `compute_values` runs with: the live ones, or their moving average under `ema_decay`."""
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def averaged_weights(self) -> Iterator[None]:
+        """The weights `compute_values` runs with: the live ones, or under `ema_decay` their moving average swapped
+        into the parameters, and the live ones back after (`_reshard` on both sides, for sharded backends)."""
+        if self.ema is None:
+            yield
+            return
+        self._reshard()
+        with self.ema.applied():
+            try:
+                yield
+            finally:
+                self._reshard()
+
+    def _reshard(self) -> None:
+        """Make the parameters `ParameterEMA` edits the ones in use (nothing to do unless a wrapper caches them)."""
 
     def _value_head(self) -> contextlib.AbstractContextManager[torch.nn.Linear]:
         """The model's `Linear(hidden, 1)` value head, editable in place inside the context (for PopArt)."""

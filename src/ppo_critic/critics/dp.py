@@ -85,22 +85,9 @@ class DataParallelPPOCritic(PPOCriticBase):
         self._reshard()
         yield getattr(parent, name)
 
-    @contextlib.contextmanager
-    def averaged_weights(self) -> Iterator[None]:
-        """Under `ema_decay`, the moving average swapped into the (sharded) parameters, and the live ones back after;
-        FSDP2's root is resharded on both sides, so neither swap is hidden behind its unsharded copy."""
-        if self.ema is None:
-            yield
-            return
-        self._reshard()
-        with self.ema.applied():
-            try:
-                yield
-            finally:
-                self._reshard()
-
     def _reshard(self) -> None:
-        """FSDP2 keeps the root's parameters unsharded after a forward; reshard so the sharded ones are in use."""
+        """FSDP2 keeps the root's parameters unsharded after a forward: reshard, so the sharded ones are in use (and
+        neither an EMA swap nor a PopArt edit is hidden behind the unsharded copy)."""
         if hasattr(self.critic_module, "reshard"):  # FSDP2's FSDPModule
             self.critic_module.reshard()
 

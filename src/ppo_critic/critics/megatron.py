@@ -9,9 +9,8 @@ and are broadcast over the pipeline group.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,18 +88,10 @@ class MegatronPPOCritic(PPOCriticBase):
         shape, world = ModelShape.from_megatron(self.tf_config), torch.distributed.get_world_size()
         self.perf = Perf(shape, world, self.device, self.tf_config.params_dtype)
         self.value_norm = ValueNormalizer(self.config.value_norm, self.device)  # popart is rejected by the config
-        decay = self.config.ema_decay  # averaged per rank over its TP/PP slice (the model parameters, not main copies)
+        # averaged per rank over its TP/PP slice: the model parameters, not the optimizer's main copies (which
+        # rewrite the model parameters at its next step anyway, so swapping the average in and out is safe)
+        decay = self.config.ema_decay
         self.ema = ParameterEMA(nn.ModuleList(chunks), decay) if decay else None
-
-    @contextlib.contextmanager
-    def averaged_weights(self) -> Iterator[None]:
-        """Under `ema_decay`, the moving average in place of the model parameters (the optimizer's main copies are
-        untouched and rewrite the model parameters at its next step anyway)."""
-        if self.ema is None:
-            yield
-            return
-        with self.ema.applied():
-            yield
 
     def _check_batch(self, batch: Batch) -> None:
         positions, mask = batch["position_ids"], batch["attention_mask"].bool()
