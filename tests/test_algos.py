@@ -350,9 +350,9 @@ STAT_MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
 def test_masked_mean():
     assert_close(masked_mean(STAT_X, STAT_MASK), scalar(7 / 3))
     # Per row: 1.5, 4, and 0 (not NaN) for the empty row.
-    assert_close(masked_mean(STAT_X, STAT_MASK, dim=-1), t64([1.5, 4.0, 0.0]))
+    assert_close(masked_mean(STAT_X, STAT_MASK, axis=-1), t64([1.5, 4.0, 0.0]))
     # Per column: column 0 -> (1 + 4) / 2, column 1 -> 2, column 2 -> nothing -> 0.
-    assert_close(masked_mean(STAT_X, STAT_MASK, dim=0), t64([2.5, 2.0, 0.0]))
+    assert_close(masked_mean(STAT_X, STAT_MASK, axis=0), t64([2.5, 2.0, 0.0]))
     assert masked_mean(STAT_X, torch.zeros(3, 3)).item() == 0.0
 
 

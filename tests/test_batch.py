@@ -372,12 +372,30 @@ def test_non_tensor_with_wrong_length(n):
     assert str(n) in str(err.value) and str(B) in str(err.value)
 
 
-def test_non_tensor_numpy_with_wrong_length():
-    non_tensors = make_non_tensors()
-    non_tensors["uid"] = non_tensors["uid"][:2]
-    proto = FakeDataProto(TensorDict(make_tensors(), batch_size=[B]), non_tensors, {})
-    with pytest.raises(ValueError, match="uid"):
-        Batch.from_any(proto).validate()
+def test_multi_modal_inputs_that_are_not_per_sample():
+    data: dict[str, Any] = dict(make_tensors())
+    data["multi_modal_inputs"] = {"pixel_values": torch.zeros(1)}
+    with pytest.raises(ValueError, match="multi_modal_inputs.*one dict per sample"):
+        Batch.from_any(data).validate()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [1.0, "greedy", None, {"temperature": 1.0}, torch.tensor(0.7), np.arange(2), ["a", "b"], np.float32(3.0)],
+    ids=["float", "str", "none", "dict", "0-dim-tensor", "short-array", "short-list", "numpy-scalar"],
+)
+def test_extras_of_any_type_are_carried_never_read(extra):
+    """A plain-dict batch (or a DataProto's non_tensor_batch) may carry extras the critic does not read, e.g. verl's
+    `temperature`: they pass validation and ride along through index/split/select unchanged."""
+    data: dict[str, Any] = {**make_tensors(), "extra": extra}
+    batch = Batch.from_any(data)
+    batch.validate(require_targets=True)
+    part = batch.index([2, 0])
+    carried = part.tensors.get("extra", part.non_tensors.get("extra"))
+    assert carried is extra and len(part) == 2
+    assert [len(b) for b in batch.split(2)] == [2] * (B // 2) + [1] * (B % 2)
+    proto = FakeDataProto(TensorDict(make_tensors(), batch_size=[B]), {**make_non_tensors(), "extra": extra}, {})
+    Batch.from_any(proto).index([1]).validate()
 
 
 # ---------------------------------------------------------------------------------------------- to(device)

@@ -83,10 +83,12 @@ def test_shuffle_does_not_touch_the_global_rng():
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_batch_size_not_a_multiple_of_mini_batch_size(shuffle):
-    with pytest.raises(ValueError, match="ppo_mini_batch_size") as err:
-        mini_batch_indices(10, 4, shuffle=shuffle, seed=0)
-    assert "10" in str(err.value) and "4" in str(err.value)
+def test_a_batch_that_is_not_a_multiple_ends_with_a_short_mini_batch(shuffle):
+    """verl's rule: a batch of 10 with mini-batches of 4 is three steps of 4, 4 and 2 rows."""
+    mbs = mini_batch_indices(10, 4, shuffle=shuffle, seed=0)
+    assert [len(m) for m in mbs] == [4, 4, 2]
+    assert sorted(torch.cat(mbs).tolist()) == list(range(10))
+    assert [len(m) for m in mini_batch_indices(2, 4)] == [2]  # verl's own critic-worker test sends exactly this
 
 
 def test_shuffle_without_seed_is_an_error():

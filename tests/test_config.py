@@ -76,7 +76,7 @@ def test_unknown_keys_are_named_with_a_suggestion():
         CriticConfig.from_any({"model": {"use_remove_pading": True}})
     with pytest.raises(TypeError, match="optim"):
         CriticConfig.from_any({"optim": 0.1})
-    with pytest.raises(TypeError, match="CriticConfig, a dict or an OmegaConf node"):
+    with pytest.raises(TypeError, match="CriticConfig, a dict, an OmegaConf node or one of verl.s critic config dataclasses"):
         CriticConfig.from_any(["ppo_epochs", 1])
 
 
@@ -108,7 +108,24 @@ def test_unknown_keys_are_named_with_a_suggestion():
 )
 def test_each_invalid_setting_is_explained(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        CriticConfig.from_any(overrides)
+        CriticConfig.from_dict(overrides).validate()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"model": {"enable_activation_offload": True}},
+        {"strategy": "fsdp", "model": {"fsdp_config": {"param_offload": True}}},
+        {"optim": {"optimizer": "adam"}},
+        {"strategy": "megatron", "megatron": {"tensor_model_parallel_size": 2, "sequence_parallel": True}},
+    ],
+)
+def test_the_critic_leaves_model_and_optimizer_settings_to_whoever_built_them(overrides):
+    """Inside verl's worker, verl builds the model and optimizer (and honours these); only a ppo-critic worker,
+    which builds them itself, rejects what it cannot do."""
+    cfg = CriticConfig.from_any(overrides)
+    with pytest.raises(ValueError, match="invalid critic config"):
+        cfg.validate()
 
 
 def test_all_problems_are_reported_at_once():

@@ -18,31 +18,33 @@ def _masked(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    return _masked(x, mask).sum() if dim is None else _masked(x, mask).sum(dim)
+def masked_sum(values: Tensor, mask: Tensor, axis: int | tuple[int, ...] | None = None) -> Tensor:
+    """Sum of `values` over valid entries (all, or along `axis`); verl's signature."""
+    valid = _masked(values, mask)
+    return valid.sum() if axis is None else valid.sum(axis)
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of `x` over valid entries; 0 where there is none."""
-    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
-    return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
+def masked_mean(values: Tensor, mask: Tensor, axis: int | tuple[int, ...] | None = None) -> Tensor:
+    """Mean of `values` over valid entries; 0 where there is none (verl divides by count + 1e-8 instead)."""
+    count = mask.bool().sum() if axis is None else mask.bool().sum(axis)
+    return masked_sum(values, mask, axis) / count.clamp(min=1).to(values.dtype)
 
 
-def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    """Variance of `x` over valid entries (Bessel-corrected when `unbiased` and there are >= 2 of them)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of `values` over valid entries (Bessel-corrected when `unbiased` and there are >= 2 of them)."""
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
     if unbiased:
         count = mask.bool().sum().to(var.dtype)
         var = torch.where(count > 1, var * count / (count - 1).clamp(min=1), var)
     return var
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-    """Normalise `x` to unit variance over valid entries (and zero mean when `shift_mean`); 0 where masked."""
-    x = _masked(x, mask)
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
-    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """Normalise `values` to unit variance over valid entries (and zero mean when `shift_mean`); 0 where masked."""
+    values = _masked(values, mask)
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return _masked(whitened if shift_mean else whitened + mean, mask)
 
 
@@ -71,7 +73,6 @@ def agg_loss(
     loss_mat: Tensor,
     loss_mask: Tensor,
     loss_agg_mode: str,
-    *,
     dp_size: int = 1,
     batch_num_tokens: Tensor | float | None = None,
     global_batch_size: Tensor | float | None = None,

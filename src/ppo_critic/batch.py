@@ -73,12 +73,13 @@ class Batch:
         )
 
     def index(self, idx: Tensor | Sequence[int]) -> Batch:
-        """Rows `idx` (in that order) of every per-sample entry."""
+        """Rows `idx` (in that order) of every per-sample entry; anything else (a scalar extra) is carried as is."""
         idx = torch.as_tensor(idx, dtype=torch.long)
+        n = len(self)
         rows = idx.tolist() if self.non_tensors else []
         return Batch(
-            {k: v[idx.to(v.device)] for k, v in self.tensors.items()},
-            {k: _take(v, rows) for k, v in self.non_tensors.items()},
+            {k: v[idx.to(v.device)] if _per_sample(v, n) else v for k, v in self.tensors.items()},
+            {k: _take(v, rows) if _per_sample(v, n) else v for k, v in self.non_tensors.items()},
             dict(self.meta_info),
         )
 
@@ -126,9 +127,11 @@ class Batch:
         for key in ("response_mask", *TARGET_KEYS):
             if key in self.tensors:
                 self._check_shape(key, [(b, r)])
-        for key, value in self.non_tensors.items():
-            if len(value) != b:
-                raise ValueError(f"batch[{key!r}] has {len(value)} entries but the batch has {b} samples")
+        if MULTI_MODAL in self.non_tensors:  # other non-tensor extras are carried, never read
+            samples = self.non_tensors[MULTI_MODAL]
+            if not _per_sample(samples, b):
+                got = f"{len(samples)} entries" if isinstance(samples, Sequence | np.ndarray) else type(samples).__name__
+                raise ValueError(f"batch[{MULTI_MODAL!r}] must hold one dict per sample ({b}), got {got}")
         self._check_masks()
         if require_targets:
             for key in TARGET_KEYS:
@@ -195,6 +198,13 @@ def _split_items(data: Any) -> tuple[dict[str, Tensor], dict[str, Any]]:
         value = data[key]
         (tensors if isinstance(value, Tensor) else non_tensors)[key] = value
     return tensors, non_tensors
+
+
+def _per_sample(value: Any, n: int) -> bool:
+    """Whether `value` holds one entry per sample (a tensor, array or list of length n), not a scalar extra."""
+    if isinstance(value, Tensor | np.ndarray):
+        return value.ndim >= 1 and value.shape[0] == n
+    return isinstance(value, list | tuple) and len(value) == n
 
 
 def _take(value: Any, rows: list[int]) -> Any:

@@ -13,13 +13,12 @@ from torch import Tensor
 def mini_batch_indices(
     batch_size: int, mini_batch_size: int, *, shuffle: bool = False, seed: int | None = None, epoch: int = 0
 ) -> list[Tensor]:
-    """Row indices of each mini-batch: in order, or a permutation seeded by `seed + epoch` (same on all ranks)."""
+    """Row indices of each mini-batch: in order, or a permutation seeded by `seed + epoch` (same on all ranks).
+
+    A batch that is not a multiple of `mini_batch_size` ends with a shorter mini-batch (verl's rule): it is one
+    optimizer step like the others, normalised over its own rows.
+    """
     _check_positive("ppo_mini_batch_size", mini_batch_size)
-    if batch_size % mini_batch_size:
-        raise ValueError(
-            f"batch size {batch_size} is not divisible by ppo_mini_batch_size={mini_batch_size}; every "
-            "optimizer step must see a full mini-batch: send a multiple of it or change ppo_mini_batch_size"
-        )
     if shuffle:
         if seed is None:
             raise ValueError("shuffle=True needs data_loader_seed")

@@ -9,15 +9,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
+import logging
 import re
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from ppo_critic import verl_config
 from ppo_critic.algos import LOSS_AGG_MODES, VF_LOSS_TYPES
 from ppo_critic.value_norm import VALUE_NORM_MODES
+
+log = logging.getLogger(__name__)
 
 STRATEGIES = ("fsdp2", "fsdp", "ddp", "none", "megatron")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -142,26 +147,31 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
+    # keys of a verl config that belong to verl's worker (dotted name -> value), set aside by `from_dict`
+    verl_keys: ClassVar[dict[str, Any]] = {}
+
     def __post_init__(self) -> None:
         if self.value_norm is False:
             self.value_norm = "off"
 
     @classmethod
     def from_any(cls, cfg: Any) -> CriticConfig:
-        """Build from a CriticConfig, a nested dict or an OmegaConf node; validates the result."""
-        if isinstance(cfg, CriticConfig):
-            config = copy.deepcopy(cfg)
-        else:
-            if type(cfg).__module__.startswith("omegaconf"):
-                from omegaconf import OmegaConf
+        """Build from a CriticConfig, a nested dict, an OmegaConf node or one of verl's critic config dataclasses
+        (`ppo_critic.verl_config`), and check what the critic itself reads (`validate(worker=False)`)."""
+        config = copy.deepcopy(cfg) if isinstance(cfg, CriticConfig) else cls.from_dict(verl_config.to_mapping(cfg))
+        config.validate(worker=False)
+        return config
 
-                cfg = OmegaConf.to_container(cfg, resolve=True)
-            if not isinstance(cfg, Mapping):
-                raise TypeError(
-                    f"critic config must be a CriticConfig, a dict or an OmegaConf node, got {type(cfg).__name__}"
-                )
-            config = from_mapping(cls, cfg)
-        config.validate()
+    @classmethod
+    def from_dict(cls, data: Mapping, prefix: str = "") -> CriticConfig:
+        """From a plain nested dict: verl's spellings read as verl reads them, the keys of verl's worker set aside in
+        `verl_keys` (listed once in a debug log), any other unknown key an error naming it."""
+        ours, verl_keys = verl_config.normalise(data, prefix)
+        config = from_mapping(cls, ours, prefix)
+        config.verl_keys = verl_keys
+        if verl_keys and frozenset(verl_keys) not in _LOGGED_VERL_KEYS:
+            _LOGGED_VERL_KEYS.add(frozenset(verl_keys))
+            log.debug("critic config: keys read by verl's worker, not by the critic: %s", ", ".join(sorted(verl_keys)))
         return config
 
     def to_dict(self) -> dict:
@@ -187,9 +197,16 @@ class CriticConfig:
         """Canonical compute dtype name, or None for the device default (bf16 on CUDA, fp32 on CPU)."""
         return None if self.dtype is None else DTYPES[self.dtype]
 
-    def validate(self, prefix: str = "") -> None:
+    def validate(self, prefix: str = "", *, worker: bool = True) -> None:
         """Raise one ValueError listing every invalid or contradictory setting (with the fix); `prefix` is where
-        this section sits in a larger config (e.g. `critic.`), so messages name the key the user typed."""
+        this section sits in a larger config (e.g. `critic.`), so messages name the key the user typed. With
+        `worker=False` only what the critic reads is checked (model and optimizer are then the caller's)."""
+        errors = self.critic_errors() + (self.worker_errors() if worker else [])
+        if errors:
+            raise ValueError("invalid critic config:\n  - " + "\n  - ".join(prefix + e for e in errors))
+
+    def critic_errors(self) -> list[str]:
+        """Settings the critic reads: batch sizes, loss, clipping, normalisation, averaging, sequence parallel."""
         errors = _positive_int_errors(
             self,
             ["ppo_mini_batch_size", "ppo_max_token_len_per_gpu", "ppo_epochs", "ulysses_sequence_parallel_size"],
@@ -230,26 +247,31 @@ class CriticConfig:
         if self.ulysses_sequence_parallel_size > 1 and not self.model.use_remove_padding:
             errors.append("ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true")
         if self.strategy == "megatron":
-            errors += self.megatron.errors()
-            if self.optim.optimizer == "sgd" and self.megatron.use_distributed_optimizer:
-                errors.append(
-                    "optim.optimizer=sgd needs megatron.use_distributed_optimizer=false (megatron shards Adam only)"
-                )
             if self.ulysses_sequence_parallel_size != 1:
                 errors.append(
                     "ulysses_sequence_parallel_size must be 1 with strategy=megatron (use megatron's tensor parallel)"
                 )
             if self.value_norm == "popart":
                 errors.append("value_norm=popart is not supported with strategy=megatron yet; use running or off")
+        return errors
+
+    def worker_errors(self) -> list[str]:
+        """Settings a ppo-critic worker reads to build the model, the optimizer and the megatron layout (inside
+        verl's worker verl builds those, and these are not checked)."""
+        errors = self.model_errors() + self.optim_errors() + verl_config.worker_errors(self.verl_keys)
+        if self.strategy == "megatron":
+            errors += self.megatron.errors()
+            if self.optim.optimizer == "sgd" and self.megatron.use_distributed_optimizer:
+                errors.append(
+                    "optim.optimizer=sgd needs megatron.use_distributed_optimizer=false (megatron shards Adam only)"
+                )
             if self.model.lora_rank:
                 errors.append("model.lora_rank > 0 (LoRA) is not supported with strategy=megatron; set 0")
             if self.model.use_torch_compile:
                 errors.append("model.use_torch_compile is not supported with strategy=megatron; set false")
             if self.model.value_head_dtype not in (None, "float32", "fp32"):
                 errors.append("model.value_head_dtype: the megatron value head is always float32; set null or float32")
-        errors += self.model_errors() + self.optim_errors()
-        if errors:
-            raise ValueError("invalid critic config:\n  - " + "\n  - ".join(prefix + e for e in errors))
+        return errors
 
     def ema_errors(self) -> list[str]:
         """`ema_decay` is a number in [0, 1) and works where the average can live beside the parameters."""
@@ -318,6 +340,9 @@ class CriticConfig:
         return errors
 
 
+_LOGGED_VERL_KEYS: set[frozenset[str]] = set()
+
+
 def per_rank(per_gpu: int | None, global_size: int | None, dp_size: int) -> int | None:
     """A per-rank micro-batch size: the per-GPU field, else verl's deprecated global one divided over DP."""
     if per_gpu is not None or global_size is None:
@@ -351,8 +376,6 @@ def from_mapping(cls: type, data: Mapping, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
-        if key == "_target_":  # verl's instantiation hint
-            continue
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             nested = _nested_key(cls, str(key))
@@ -362,7 +385,8 @@ def from_mapping(cls: type, data: Mapping, prefix: str = "") -> Any:
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, Mapping):
                 raise TypeError(f"config key '{prefix}{key}' must be a mapping, got {type(value).__name__}")
-            kwargs[key] = from_mapping(hints[key], value, prefix=f"{prefix}{key}.")
+            build = getattr(hints[key], "from_dict", None) or functools.partial(from_mapping, hints[key])
+            kwargs[key] = build(value, prefix=f"{prefix}{key}.")
         else:
             kwargs[key] = _typed(f"{prefix}{key}", value, hints[key])
     return cls(**kwargs)

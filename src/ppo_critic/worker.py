@@ -39,7 +39,7 @@ class CriticWorker:
         seed: int = 0,
         dist_timeout_s: float = 600.0,
     ):
-        self.config = CriticConfig.from_any(config)
+        self.config = worker_config(config)
         self.device = resolve_device(device)
         init_distributed(dist_timeout_s)  # under torchrun: a rank stuck longer than this in a collective fails
         self.groups = parallel_groups(self.config.ulysses_sequence_parallel_size)
@@ -69,9 +69,12 @@ class CriticWorker:
             return self.critic.compute_values(batch)
         batch = Batch.from_any(batch)
         local = self.critic.compute_values(batch.index(self._shard(len(batch), len(batch))))
-        parts = [torch.empty_like(local) for _ in range(self.dp_size)]
-        torch.distributed.all_gather(parts, local.to(self.device), group=self.dp_group)
-        return torch.cat([p.cpu() for p in parts])
+        sizes = [len(rows) for rows in torch.arange(len(batch)).tensor_split(self.dp_size)]
+        padded = local.new_zeros(max(sizes), local.shape[1])  # all_gather wants one shape: pad, then trim
+        padded[: len(local)] = local
+        parts = [torch.empty_like(padded) for _ in range(self.dp_size)]
+        torch.distributed.all_gather(parts, padded.to(self.device), group=self.dp_group)
+        return torch.cat([p[:n].cpu() for p, n in zip(parts, sizes, strict=True)])
 
     def update_critic(self, batch: Any) -> dict[str, float]:
         """One critic update on the global batch; `critic/lr` is the rate it used, then the schedule advances.
@@ -131,16 +134,15 @@ class CriticWorker:
         return {k: v.detach().cpu().clone() for k, v in norm.state_dict().items()} if norm.enabled else {}
 
     def _shard(self, batch_size: int, block: int) -> Tensor:
-        """This rank's rows: inside every block of `block` rows, the rank's contiguous 1/DP slice."""
-        if block % self.dp_size or batch_size % block:
+        """This rank's rows: inside every block of `block` rows, the rank's contiguous 1/DP slice. A last, shorter
+        block (verl's short last mini-batch) is split as evenly as it goes: its slices differ by at most one row."""
+        if batch_size < self.dp_size:
             raise ValueError(
-                f"a batch of {batch_size} rows cannot be split over {self.dp_size} data-parallel ranks in blocks of "
-                f"{block}; use a batch size that is a multiple of {block} and of the DP size"
+                f"a batch of {batch_size} rows cannot be split over {self.dp_size} data-parallel ranks; send at "
+                f"least {self.dp_size} rows"
             )
-        share = block // self.dp_size
-        first = self.groups.dp_rank * share
-        rows = torch.arange(batch_size).view(-1, block)[:, first : first + share]
-        return rows.flatten()
+        blocks = torch.arange(batch_size).split(block)
+        return torch.cat([rows.tensor_split(self.dp_size)[self.groups.dp_rank] for rows in blocks])
 
     def export_hf(self, out_dir: str | Path) -> Path:
         """The critic as an HF checkpoint that predicts raw values: a LoRA critic is exported merged (adapters folded
@@ -194,7 +196,7 @@ class MegatronCriticWorker(CriticWorker):
         from ppo_critic.models.megatron import Shapes, build_megatron_value_model, check_supported, transformer_config
         from ppo_critic.parallel import megatron as mp
 
-        self.config = CriticConfig.from_any(config)
+        self.config = worker_config(config)
         if self.config.strategy != "megatron":
             raise ValueError(f"MegatronCriticWorker needs strategy=megatron, got {self.config.strategy!r}")
         self.device = resolve_device(device)
@@ -344,6 +346,13 @@ def make_critic_worker(config: Any, **kwargs: Any) -> CriticWorker:
     """`MegatronCriticWorker` for `strategy: megatron`, else `CriticWorker`."""
     config = CriticConfig.from_any(config)
     return (MegatronCriticWorker if config.strategy == "megatron" else CriticWorker)(config, **kwargs)
+
+
+def worker_config(config: Any) -> CriticConfig:
+    """The critic config checked for what a worker builds too (model, optimizer, layout), not only the critic."""
+    config = CriticConfig.from_any(config)
+    config.validate()
+    return config
 
 
 def model_from_config(model: ModelConfig) -> nn.Module:

@@ -4,6 +4,8 @@ loss denominators, micro-batch agreement over data-parallel ranks, metric accumu
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,6 +31,25 @@ def compute_dtype(config: CriticConfig, device: torch.device) -> torch.dtype:
     if name is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+def meta_setting(meta: dict[str, Any], key: str, default: Any, kind: type) -> Any:
+    """A per-call setting from verl's `meta_info`: `default` when absent or None (verl's "not set")."""
+    value = meta.get(key)
+    if value is None:
+        return default
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"meta_info[{key!r}]={value!r} must be an integer or None")
+        return int(value)
+    return value
+
+
+def empty_mini_batch(batch: Batch) -> Batch:
+    """A stand-in mini-batch with no valid tokens (row 0, its response mask zeroed): it contributes nothing to the
+    loss, the gradient or the counts, but runs the forward/backward and collectives of a real one."""
+    row = batch.index([0])
+    return Batch(row.tensors | {"response_mask": torch.zeros_like(row.response_mask)}, row.non_tensors, row.meta_info)
 
 
 def local_loss_denominators(response_mask: Tensor) -> dict[str, Tensor]:
@@ -156,16 +177,18 @@ class PPOCriticBase:
         """Values [B, R] (float32, CPU) of each response token; exactly 0 at masked positions.
 
         verl's `meta_info` keys `micro_batch_size`, `use_dynamic_bsz` and `max_token_len` override the
-        forward settings of the config for this call.
+        forward settings of the config for this call (a key holding None is not set, as in verl's workers).
         """
         batch = Batch.from_any(data)
         batch.validate()
         self._check_token_ids(batch)
         self._check_batch(batch)
-        meta = batch.meta_info
-        use_dynamic = bool(meta.get("use_dynamic_bsz", self.config.use_dynamic_bsz))
-        micro_batch_size = int(meta.get("micro_batch_size", self.config.micro_batch_sizes(self.dp_size)[1]))
-        max_token_len = int(meta.get("max_token_len", self.config.forward_max_token_len)) * self.sp_size
+        use_dynamic = bool(meta_setting(batch.meta_info, "use_dynamic_bsz", self.config.use_dynamic_bsz, bool))
+        micro_batch_size = meta_setting(
+            batch.meta_info, "micro_batch_size", self.config.micro_batch_sizes(self.dp_size)[1], int
+        )
+        max_token_len = meta_setting(batch.meta_info, "max_token_len", self.config.forward_max_token_len, int)
+        max_token_len *= self.sp_size
         start = time.perf_counter()
         batch = batch.select((*MODEL_KEYS, "response_mask", MULTI_MODAL)).to(self.device, non_blocking=True)
         groups = self._micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
@@ -189,20 +212,26 @@ class PPOCriticBase:
         batch.validate(require_targets=True)
         self._check_token_ids(batch)
         self._check_batch(batch)
-        mini_batch_indices(len(batch), cfg.ppo_mini_batch_size)  # raises if B is not a multiple
         max_token_len = cfg.ppo_max_token_len_per_gpu * self.sp_size
         if cfg.use_dynamic_bsz:
             check_token_budget(batch["attention_mask"].sum(-1), max_token_len)
         batch = batch.select(UPDATE_KEYS).to(self.device, non_blocking=True)
         targets = self._normalised_targets(batch)
+        # every DP rank takes the same number of steps: a rank whose share ran out of rows (a short last
+        # mini-batch) steps with an empty mini-batch, so the collectives of the others are matched
+        local_steps = math.ceil(len(batch) / cfg.ppo_mini_batch_size)
+        steps = int(self._all_reduce(torch.tensor(local_steps, device=self.device), "max"))
         metrics = UpdateMetrics(self.device)
         self._set_training(True)
         start = time.perf_counter()
         for epoch in range(cfg.ppo_epochs):
-            for rows in mini_batch_indices(
+            minis = mini_batch_indices(
                 len(batch), cfg.ppo_mini_batch_size, shuffle=cfg.shuffle, seed=cfg.data_loader_seed, epoch=epoch
-            ):
+            )
+            for rows in minis:
                 self._optimizer_step(targets.index(rows), metrics, max_token_len)
+            for _ in range(steps - len(minis)):
+                self._optimizer_step(empty_mini_batch(targets), metrics, max_token_len)
         return self._metrics(metrics, batch, time.perf_counter() - start)
 
     def _normalised_targets(self, batch: Batch) -> Batch:
