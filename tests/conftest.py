@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-# the verl suites need verl in an environment of their own: tests/verl/run.sh builds it and sets this variable
-collect_ignore = [] if os.environ.get("PPO_CRITIC_VERL_SUITE") else ["verl"]
+# the verl suites need verl in an environment of their own: tests/with_verl/run.sh builds it and sets this variable
+collect_ignore = [] if os.environ.get("PPO_CRITIC_VERL_SUITE") else ["with_verl"]
 
 TINY = {
     "hidden_size": 64,

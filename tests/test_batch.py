@@ -375,7 +375,7 @@ def test_non_tensor_with_wrong_length(n):
 def test_multi_modal_inputs_that_are_not_per_sample():
     data: dict[str, Any] = dict(make_tensors())
     data["multi_modal_inputs"] = {"pixel_values": torch.zeros(1)}
-    with pytest.raises(ValueError, match="multi_modal_inputs.*one dict per sample"):
+    with pytest.raises(ValueError, match=r"multi_modal_inputs.*one dict per sample"):
         Batch.from_any(data).validate()
 
 

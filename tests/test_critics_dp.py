@@ -312,7 +312,6 @@ def _bad_batches():
         "returns shape": (edit(returns=good["returns"][:7]), "returns"),
         "response_mask shape": (edit(response_mask=good["attention_mask"]), "response_mask"),
         "empty batch": ({k: v[:0] for k, v in good.items()}, "empty"),
-        "B not divisible by mini-batch": ({k: v[:6] for k, v in good.items()}, "ppo_mini_batch_size"),
         "NaN in values": (edit(values=nan_values), "values"),
         "Inf in returns": (edit(returns=inf_returns), "returns"),
         "not a batch": ([1, 2, 3], "batch"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,6 +42,20 @@ def test_per_rank_config_divides_global_sizes():
     assert rank.ppo_micro_batch_size is None and rank.forward_micro_batch_size is None
     with pytest.raises(ValueError, match="not divisible by the 3 data-parallel ranks"):
         per_rank_config(CriticConfig(ppo_mini_batch_size=16), dp_size=3)
+
+
+def test_each_rank_takes_its_share_of_every_mini_batch_and_of_a_short_last_one():
+    """Rows of a global batch of 10 in mini-batches of 4 over 2 ranks: 2 of each full block, 1 of the short one."""
+    shares = [CriticWorker._shard(_rank_view(rank, 2), 10, 4).tolist() for rank in (0, 1)]
+    assert shares == [[0, 1, 4, 5, 8], [2, 3, 6, 7, 9]]
+    assert [CriticWorker._shard(_rank_view(r, 3), 4, 4).tolist() for r in range(3)] == [[0, 1], [2], [3]]
+    with pytest.raises(ValueError, match="a batch of 1 rows cannot be split over 2 data-parallel ranks; send at least"):
+        CriticWorker._shard(_rank_view(1, 2), 1, 4)
+
+
+def _rank_view(rank: int, dp_size: int) -> SimpleNamespace:
+    """What `CriticWorker._shard` reads of a worker: its DP size and rank."""
+    return SimpleNamespace(dp_size=dp_size, groups=SimpleNamespace(dp_rank=rank))
 
 
 def test_model_needs_a_path_or_a_full_config():

@@ -130,7 +130,8 @@ class Batch:
         if MULTI_MODAL in self.non_tensors:  # other non-tensor extras are carried, never read
             samples = self.non_tensors[MULTI_MODAL]
             if not _per_sample(samples, b):
-                got = f"{len(samples)} entries" if isinstance(samples, Sequence | np.ndarray) else type(samples).__name__
+                sized = isinstance(samples, Sequence | np.ndarray)
+                got = f"{len(samples)} entries" if sized else type(samples).__name__
                 raise ValueError(f"batch[{MULTI_MODAL!r}] must hold one dict per sample ({b}), got {got}")
         self._check_masks()
         if require_targets:

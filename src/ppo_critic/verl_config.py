@@ -107,7 +107,7 @@ WORKER_HONOURS: dict[str, tuple[Any, ...]] = {
 
 def to_mapping(cfg: Any) -> dict:
     """A plain nested dict of a verl critic config: a `DictConfig` (interpolations resolved), a mapping, or a
-    config dataclass (verl's `BaseConfig` subclasses; `model_config` is kept as it is, unread)."""
+    config dataclass (verl's `BaseConfig` subclasses; `model_config` only by its type name)."""
     if type(cfg).__module__.startswith("omegaconf"):
         from omegaconf import OmegaConf
         from omegaconf.errors import OmegaConfBaseException
@@ -130,7 +130,9 @@ def _dataclass_dict(obj: Any) -> dict:
     out = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        out[f.name] = value if f.name == "model_config" else _plain(value)
+        # verl's HFModelConfig holds the loaded HF config and tokenizer: named, not copied
+        opaque = f.name == "model_config" and value is not None
+        out[f.name] = f"<{type(value).__name__}>" if opaque else _plain(value)
     if type(obj).__module__.startswith("verl.") and not out.get("_target_"):
         out["_target_"] = f"{type(obj).__module__}.{type(obj).__qualname__}"  # built directly, not by hydra
     return out
@@ -253,7 +255,8 @@ def _lookup(verl_keys: Mapping[str, Any], dotted: str) -> Any:
 def _without_hydra_keys(data: Mapping, top: bool = True) -> dict:
     """A copy without hydra's `_target_` (at any depth) and `defaults` (at the top)."""
     drop = HYDRA_KEYS if top else ("_target_",)
-    return {k: _without_hydra_keys(v, top=False) if isinstance(v, Mapping) else v for k, v in data.items() if k not in drop}
+    kept = {k: v for k, v in data.items() if k not in drop}
+    return {k: _without_hydra_keys(v, top=False) if isinstance(v, Mapping) else v for k, v in kept.items()}
 
 
 def _settings(data: Mapping):

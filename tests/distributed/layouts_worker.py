@@ -1,6 +1,6 @@
 """Run under `torchrun --nproc_per_node=2`: one update per layout, compared with the single-process reference.
 
-argv: <reference.pt> <out.json>. The reference file holds the initial weights, the global batch, the
+argv: <reference.pt> <out.json>. The reference file holds the initial weights, and per case the global batch and the
 reference parameter deltas and metrics per loss mode, and the reference values (see test_layouts.py).
 """
 
@@ -33,35 +33,42 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = torch.load(ref_path, weights_only=False)
     base = ref["model"]
-    batch = {k: v[rank::world] for k, v in ref["batch"].items()}  # rank r takes rows r, r + 2, ...
     results = []
-    for mode, expected in ref["updates"].items():
-        for strategy in STRATEGIES:
-            for layout in (*MICRO, *DYNAMIC):
-                for packed in (False, True):
-                    model = parallelize(copy.deepcopy(base), strategy, torch.device("cpu"))
-                    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-                    cfg = {"ppo_mini_batch_size": 4, "grad_clip": None, "loss_agg_mode": mode, **layout}
-                    critic = DataParallelPPOCritic({**cfg, "model": {"use_remove_padding": packed}}, model, optimizer)
-                    metrics = critic.update_critic(batch)
-                    params = full_params(model)
-                    delta = torch.cat([(params[k] - v).flatten() for k, v in expected["before"].items()])
-                    rel = ((delta - expected["delta"]).norm() / expected["delta"].norm()).item()
-                    metric_err = max(
-                        abs(metrics[k] - v) / max(abs(v), 1e-12)
-                        for k, v in expected["metrics"].items()
-                        if not k.startswith("perf/")
-                    )
-                    results.append(
-                        {
-                            "mode": mode,
-                            "strategy": strategy,
-                            "layout": layout,
-                            "packed": packed,
-                            "rel": rel,
-                            "metric_rel": metric_err,
-                        }
-                    )
+    for case, reference in ref["cases"].items():
+        batch = {k: v[rank::world] for k, v in reference["batch"].items()}  # rank r takes rows r, r + 2, ...
+        full = case == "full"  # every layout; the other cases two, padded
+        layouts, paddings = ((*MICRO, *DYNAMIC), (False, True)) if full else ((MICRO[1], *DYNAMIC), (False,))
+        for mode, expected in reference["updates"].items():
+            for strategy in STRATEGIES:
+                for layout in layouts:
+                    for packed in paddings:
+                        model = parallelize(copy.deepcopy(base), strategy, torch.device("cpu"))
+                        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                        cfg = {"ppo_mini_batch_size": 4, "grad_clip": None, "loss_agg_mode": mode, **layout}
+                        critic = DataParallelPPOCritic(
+                            {**cfg, "model": {"use_remove_padding": packed}}, model, optimizer
+                        )
+                        metrics = critic.update_critic(batch)
+                        params = full_params(model)
+                        delta = torch.cat([(params[k] - v).flatten() for k, v in expected["before"].items()])
+                        rel = ((delta - expected["delta"]).norm() / expected["delta"].norm()).item()
+                        metric_err = max(
+                            abs(metrics[k] - v) / max(abs(v), 1e-12)
+                            for k, v in expected["metrics"].items()
+                            if not k.startswith("perf/")
+                        )
+                        results.append(
+                            {
+                                "case": case,
+                                "mode": mode,
+                                "strategy": strategy,
+                                "layout": layout,
+                                "packed": packed,
+                                "rel": rel,
+                                "metric_rel": metric_err,
+                            }
+                        )
+    batch = {k: v[rank::world] for k, v in ref["cases"]["full"]["batch"].items()}
     model = parallelize(copy.deepcopy(base), "fsdp2", torch.device("cpu"))
     critic = DataParallelPPOCritic(
         {"ppo_mini_batch_size": 4, "use_dynamic_bsz": True, "forward_max_token_len_per_gpu": 20},

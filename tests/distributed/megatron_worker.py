@@ -8,6 +8,7 @@ weights before and after one update of the data-parallel critic. Rank 0 writes o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -30,12 +31,48 @@ LAYOUTS = {  # name: (TP, PP, VPP); DP is what is left of the 4 processes
     "pp2": (1, 2, None),
     "tp2pp2": (2, 2, None),
     "pp4vpp2": (1, 4, 2),
+    "tp2verl": (2, 1, None),  # as verl's megatron worker builds and calls it, see `as_verl_builds_it`
 }
 METRICS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/vf_explained_var")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+@contextlib.contextmanager
+def as_verl_builds_it(name: str):
+    """For `tp2verl`: a TransformerConfig without calculate_per_token_loss (megatron then divides each loss by the
+    micro-batch count and averages gradients over DP; verl's megatron worker builds such a config)."""
+    if name != "tp2verl":
+        yield
+        return
+    import ppo_critic.models.megatron as models
+
+    build = models.transformer_config
+
+    def without_per_token_loss(*args, **kwargs):
+        config = build(*args, **kwargs)
+        config.calculate_per_token_loss = False
+        return config
+
+    models.transformer_config = without_per_token_loss
+    try:
+        yield
+    finally:
+        models.transformer_config = build
+
+
+def update(worker: MegatronCriticWorker, name: str, batch: dict) -> dict:
+    """`worker.update_critic`; for `tp2verl` the critic is called the way verl's megatron worker calls it."""
+    if name != "tp2verl":
+        return worker.update_critic(batch)
+    critic, plain = worker.critic, worker.critic.update_critic
+    critic.update_critic = lambda data: plain(dataloader=critic.make_minibatch_iterator(data))
+    try:
+        return worker.update_critic(batch)
+    finally:
+        del critic.update_critic
 
 
 def run_layout(name: str, mode: str, ref: dict, export_dir: str) -> dict:
@@ -48,13 +85,15 @@ def run_layout(name: str, mode: str, ref: dict, export_dir: str) -> dict:
         "pipeline_model_parallel_size": pp,
         "virtual_pipeline_model_parallel_size": vpp,
     }
-    worker = MegatronCriticWorker(cfg, seed=0)
+    with as_verl_builds_it(name):
+        worker = MegatronCriticWorker(cfg, seed=0)
+    assert worker.critic.tf_config.calculate_per_token_loss == (name != "tp2verl")
     expect = ref["modes"][mode]
     before = worker.hf_state_dict()
     exact = before.keys() == expect["before"].keys()
     round_trip = exact and all(torch.equal(v, expect["before"][k]) for k, v in before.items())
     values = worker.compute_values(ref["batch"])
-    metrics = worker.update_critic(ref["batch"])
+    metrics = update(worker, name, ref["batch"])
     after = worker.hf_state_dict()
     values_after = worker.compute_values(ref["batch"])
     delta = torch.cat([(after[k] - before[k]).flatten() for k in expect["before"]])

@@ -1,8 +1,9 @@
 """Cross-backend equivalence (torchrun, 4 gloo processes): from the same HF weights (Qwen2, and Llama), the megatron
-critic at TP=1/PP=1 (DP=4), TP=2, PP=2, TP=2×PP=2 and PP=4×VPP=2 gives the data-parallel critic's values, update
-and metrics (and with `ema_decay` the values after the update), with fixed and with dynamic micro-batches; the
-HF -> megatron -> HF round trip is exact; a non-finite gradient skips the step; the exported critic loads as an HF
-model."""
+critic at TP=1/PP=1 (DP=4), TP=2, PP=2, TP=2×PP=2 and PP=4×VPP=2 — and at TP=2 as verl's megatron worker builds
+and calls it (no calculate_per_token_loss; update_critic(dataloader=...)) — gives the data-parallel critic's
+values, update and metrics (and with `ema_decay` the values after the update), with fixed and with dynamic
+micro-batches; the HF -> megatron -> HF round trip is exact; a non-finite gradient skips the step; the exported
+critic loads as an HF model."""
 
 from __future__ import annotations
 
@@ -77,9 +78,10 @@ def test_megatron_layouts_equal_the_data_parallel_critic(tmp_path):
     assert result.returncode == 0, result.stderr[-6000:]
     rows = json.loads(out.read_text())
     assert {(r["layout"], r["mode"]) for r in rows} == {
-        (layout, mode) for layout in ("tp1pp1", "tp2", "pp2", "tp2pp2", "pp4vpp2") for mode in CONFIGS
+        (layout, mode) for layout in ("tp1pp1", "tp2", "pp2", "tp2pp2", "pp4vpp2", "tp2verl") for mode in CONFIGS
     }
-    assert {r["layout"]: r["dp"] for r in rows} == {"tp1pp1": 4, "tp2": 2, "pp2": 2, "tp2pp2": 1, "pp4vpp2": 1}
+    dp = {"tp1pp1": 4, "tp2": 2, "pp2": 2, "tp2pp2": 1, "pp4vpp2": 1, "tp2verl": 2}
+    assert {r["layout"]: r["dp"] for r in rows} == dp
     for r in rows:
         assert r["round_trip_exact"], r
         assert r["values_max_abs"] <= 1e-4 and r["values_after_max_abs"] <= 1e-4, r

@@ -1,10 +1,11 @@
 """`MegatronPPOCritic`: the same critic (DESIGN §3) on megatron-core model chunks — TP, PP, VPP and DP.
 
 Micro-batches run through megatron's `get_forward_backward_func` (any pipeline schedule). The loss is normalised
-by the critic itself: the transformer config must have `calculate_per_token_loss=True`, so megatron neither
-divides by the micro-batch count nor averages over DP, and each rank backpropagates its numerator over the
-global denominator — the data-parallel critic's gradient, exactly. Values come from the last pipeline stage
-and are broadcast over the pipeline group.
+by the critic itself: each rank backpropagates its numerator over the global denominator — the data-parallel
+critic's gradient, exactly. With `calculate_per_token_loss=True` (ppo-critic's own transformer config) megatron
+neither divides by the micro-batch count nor averages over DP; with a config built without it (verl's megatron
+worker builds one) megatron does both, and the critic multiplies them back. Values come from the last pipeline
+stage and are broadcast over the pipeline group.
 """
 
 from __future__ import annotations
@@ -64,11 +65,6 @@ class MegatronPPOCritic(PPOCriticBase):
         self.critic_module = chunks
         self.critic_optimizer = critic_optimizer
         self.tf_config = tf_config or get_model_config(chunks[0])
-        if not self.tf_config.calculate_per_token_loss:
-            raise ValueError(
-                "the megatron TransformerConfig must have calculate_per_token_loss=True: the critic normalises the "
-                "loss over the whole mini-batch itself (ppo_critic.models.megatron.transformer_config sets it)"
-            )
         self.tf_config.finalize_model_grads_func = _finalize_model_grads
         self.tf_config.grad_scale_func = critic_optimizer.scale_loss
         self.device = next(chunks[0].parameters()).device
@@ -92,6 +88,24 @@ class MegatronPPOCritic(PPOCriticBase):
         # rewrite the model parameters at its next step anyway, so swapping the average in and out is safe)
         decay = self.config.ema_decay
         self.ema = ParameterEMA(nn.ModuleList(chunks), decay) if decay else None
+
+    def make_minibatch_iterator(self, data: Any) -> list[Any]:
+        """verl's megatron worker asks for this and hands it to `update_critic(dataloader=...)`: the whole batch, which
+        `update_critic` cuts into mini-batches itself (epochs, `shuffle`, global normalisation)."""
+        return [data]
+
+    def update_critic(self, data: Any = None, *, dataloader: Any = None) -> dict[str, float]:
+        """`update_critic(batch)`, or as verl's megatron worker calls it:
+        `update_critic(dataloader=make_minibatch_iterator(batch))`."""
+        if dataloader is not None:
+            batches = list(dataloader) if data is None else []
+            if len(batches) != 1:
+                raise TypeError(
+                    "update_critic takes a batch, or dataloader=critic.make_minibatch_iterator(batch) (one whole "
+                    "batch, cut into mini-batches by the critic)"
+                )
+            data = batches[0]
+        return super().update_critic(data)
 
     def _check_batch(self, batch: Batch) -> None:
         positions, mask = batch["position_ids"], batch["attention_mask"].bool()
@@ -173,6 +187,9 @@ class MegatronPPOCritic(PPOCriticBase):
 
         micros = [(batch.index(g or [0]), bool(g)) for g in groups]  # an empty group runs with zero weight
         r = batch.response_length
+        # without calculate_per_token_loss megatron divides each loss by the micro-batch count and its DDP averages
+        # the gradients over DP: multiply both back (the loss is already over the global denominator)
+        undo = 1 if self.tf_config.calculate_per_token_loss else len(micros) * self.dp_size
 
         rows = max(len(m) for m, _ in micros)
         longest = max(int(m["attention_mask"].sum(-1).max()) for m, _ in micros)
@@ -181,7 +198,8 @@ class MegatronPPOCritic(PPOCriticBase):
             output = output[: len(micro), : c.input_ids.shape[1]]  # drop the padding to the common shape
             values = c.expand(output.squeeze(-1))[:, -r - 1 : -1].float()
             loss = fn(micro, keep, values)
-            return loss, torch.ones((), dtype=torch.int, device=self.device), {"values": values.detach(), "loss": loss}
+            ones = torch.ones((), dtype=torch.int, device=self.device)
+            return loss * undo, ones, {"values": values.detach(), "loss": loss}
 
         def forward_step(data_iterator, model):
             micro, keep = next(data_iterator)

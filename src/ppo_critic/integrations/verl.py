@@ -79,9 +79,14 @@ PATCHES: dict[str, tuple[str, type]] = {
 }
 
 
+REPLACED: dict[str, type] = {}  # verl module -> verl's own class that the patch replaced there (to compare with)
+
+
 def _patch(module: Any) -> None:
     name, ours = PATCHES[module.__name__]
-    if hasattr(module, name):
+    original = getattr(module, name, None)
+    if original is not None and original is not ours:
+        REPLACED.setdefault(module.__name__, original)
         setattr(module, name, ours)
 
 

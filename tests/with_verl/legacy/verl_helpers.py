@@ -8,6 +8,8 @@ wants verl's own critic inside verl's worker says so with `critic_class(VerlCrit
 from __future__ import annotations
 
 import contextlib
+import copy
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,45 +22,24 @@ from omegaconf import DictConfig
 from tensordict import TensorDict
 from verl import DataProto
 from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.critic.dp_critic import DataParallelPPOCritic as VerlCritic  # verl's own, kept before the patch
+from verl.workers.critic import dp_critic
 
 import ppo_critic.integrations.verl as integration
 
+VerlCritic = integration.REPLACED[dp_critic.__name__]  # verl's own critic, which the integration replaced
 VERL_CONFIG_DIR = Path(verl.__file__).resolve().parent / "trainer" / "config"
 OursInVerl = integration.DataParallelPPOCritic
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-TINY = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "classifier_dropout": 0.0,
-    "num_labels": 1,
-    "tie_word_embeddings": False,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+VOCAB = 128
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "verl_ppo.py"
 
 
-def save_tiny_critic(path: Path, seed: int = 0) -> Path:
-    """A randomly initialised tiny Qwen2 token-classification critic and a word-level tokenizer, as a model
-    directory verl's worker loads like any HF checkpoint."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForTokenClassification
-
-    torch.manual_seed(seed)
-    Qwen2ForTokenClassification(Qwen2Config(**TINY)).save_pretrained(path)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TINY["vocab_size"])}, unk_token="t3"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=words, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3"
-    )
-    tokenizer.save_pretrained(path)
-    return path
+def save_tiny_critic(path: Path) -> Path:
+    """The example's tiny random critic (Qwen2 token classification + a word-level tokenizer) in `path`."""
+    spec = importlib.util.spec_from_file_location("verl_ppo_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.tiny_critic_dir(path, VOCAB)
 
 
 def composed(overrides: list[str], config_name: str = "ppo_trainer") -> DictConfig:
@@ -152,12 +133,36 @@ def critic_class(cls: type) -> Iterator[None]:
         yield
 
 
+def make_worker(model_dir: Path, critic: type = OursInVerl, **settings: object):
+    """verl's FSDP `CriticWorker`, from verl's composed config (`cpu_overrides` + `critic.<key>=<value>` settings) as
+    verl's trainer hands it over, after `init_model`, with `critic` inside."""
+    from verl.workers.fsdp_workers import CriticWorker
+
+    config = critic_dataclass(composed(cpu_overrides(Path(model_dir), **settings)))
+    with verl_on_cpu(), critic_class(critic):
+        worker = CriticWorker(config)
+        worker.init_model()
+    return worker
+
+
+def worker_values(worker, data: DataProto) -> torch.Tensor:
+    """`CriticWorker.compute_values` (verl's critic in fp32), on a copy: verl's worker writes into `meta_info`."""
+    with verl_critic_in_fp32():
+        return worker.compute_values(copy.deepcopy(data)).batch["values"]
+
+
+def worker_update(worker, data: DataProto) -> dict:
+    """`CriticWorker.update_critic`'s metrics (verl's critic in fp32)."""
+    with verl_on_cpu(), verl_critic_in_fp32():
+        return worker.update_critic(copy.deepcopy(data)).meta_info["metrics"]
+
+
 def rollout(batch_size: int, prompt_len: int = 6, response_len: int = 5, seed: int = 0, meta=None) -> DataProto:
     """A rollout batch as verl's trainer builds it: left-padded prompts, right-padded responses (every row has at
     least one prompt and one response token), position ids, response mask, old values and returns."""
     g = torch.Generator().manual_seed(seed)
     t = prompt_len + response_len
-    input_ids = torch.randint(3, TINY["vocab_size"], (batch_size, t), generator=g)
+    input_ids = torch.randint(3, VOCAB, (batch_size, t), generator=g)
     attention_mask = torch.ones(batch_size, t, dtype=torch.long)
     for i in range(batch_size):
         attention_mask[i, : int(torch.randint(0, prompt_len, (1,), generator=g))] = 0

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Run the verl integration suite for one verl version in its own cached virtual environment.
-#   bash tests/verl/run.sh 0.7.1 [pytest args]
+#   bash tests/with_verl/run.sh 0.7.1 [pytest args]
 # The environment (.venv-verl-<version>/) is rebuilt only when its requirements or pyproject.toml change.
 # verl is installed with --no-deps (its full dependency set pulls CUDA builds and pins that clash), then only
 # what its critic paths import. The main test suite never needs verl.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-version="${1:?usage: tests/verl/run.sh VERSION [pytest args]}"
+version="${1:?usage: tests/with_verl/run.sh VERSION [pytest args]}"
 shift
 case "$version" in
-  0.7.*) suite=tests/verl/legacy ;;
-  *) echo "tests/verl/run.sh: no suite for verl $version (known: 0.7.x)" >&2; exit 2 ;;
+  0.7.*) suite=tests/with_verl/legacy ;;
+  *) echo "tests/with_verl/run.sh: no suite for verl $version (known: 0.7.x)" >&2; exit 2 ;;
 esac
 venv=".venv-verl-$version"
 reqs="$suite/requirements.txt"

@@ -1,4 +1,4 @@
-"""Fixtures of the verl 0.7.x suite (run by tests/verl/run.sh in its own environment)."""
+"""Fixtures of the verl 0.7.x suite (run by tests/with_verl/run.sh in its own environment)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ micro-batch per mini-batch. Patched: only what verl 0.7.1 hard-codes for CUDA (`
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import subprocess
@@ -14,42 +13,23 @@ import sys
 import pytest
 import torch
 from verl.trainer.ppo.metric_utils import reduce_metrics
-from verl.workers.fsdp_workers import CriticWorker
 from verl_helpers import (
     OursInVerl,
     VerlCritic,
-    composed,
-    cpu_overrides,
-    critic_class,
-    critic_dataclass,
+    make_worker,
     params,
     rel_change,
     rollout,
-    verl_critic_in_fp32,
-    verl_on_cpu,
+    worker_update,
+    worker_values,
 )
 
 SAME = 1e-6  # see test_integrations_verl_critic.py: rounding of one fp32 gradient summed in another order
 FIXED = {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 4, "forward_micro_batch_size_per_gpu": 2}
 
 
-def worker(model_dir, critic=OursInVerl, **settings) -> CriticWorker:
-    """verl's CriticWorker from verl's composed config, after `init_model`, with `critic` inside."""
-    config = critic_dataclass(composed(cpu_overrides(model_dir, **{**FIXED, **settings})))
-    with verl_on_cpu(), critic_class(critic):
-        w = CriticWorker(config)
-        w.init_model()
-    return w
-
-
-def values(w: CriticWorker, data) -> torch.Tensor:
-    with verl_critic_in_fp32():
-        return w.compute_values(copy.deepcopy(data)).batch["values"]
-
-
-def update(w: CriticWorker, data) -> dict:
-    with verl_on_cpu(), verl_critic_in_fp32():
-        return w.update_critic(copy.deepcopy(data)).meta_info["metrics"]
+def worker(model_dir, critic=OursInVerl, **settings):
+    return make_worker(model_dir, critic, **{**FIXED, **settings})
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +40,14 @@ def data():
 def test_verls_worker_builds_our_critic_and_gets_verls_values(single_process, model_dir, data):
     ours, theirs = worker(model_dir), worker(model_dir, critic=VerlCritic)
     assert type(ours.critic) is OursInVerl and type(theirs.critic) is VerlCritic
-    assert torch.equal(values(ours, data), values(theirs, data))
+    assert torch.equal(worker_values(ours, data), worker_values(theirs, data))
 
 
 def test_one_update_is_verls_and_its_metrics_reach_verls_trainer(single_process, model_dir, data):
     sgd = {"optim.optimizer": "SGD", "optim.weight_decay": 0.0, "optim.lr": 0.1}
     ours, theirs = worker(model_dir, **sgd), worker(model_dir, critic=VerlCritic, **sgd)
     before = params(ours.critic_module)
-    metrics, verl_metrics = update(ours, data), update(theirs, data)
+    metrics, verl_metrics = worker_update(ours, data), worker_update(theirs, data)
     assert rel_change(params(ours.critic_module), params(theirs.critic_module), before) <= SAME
     reduced = reduce_metrics(metrics)  # what verl's trainer does with a critic's metrics
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr"):
@@ -78,13 +58,13 @@ def test_one_update_is_verls_and_its_metrics_reach_verls_trainer(single_process,
 
 def test_checkpoint_round_trip_through_verls_checkpoint_manager(single_process, model_dir, data, tmp_path):
     trained = worker(model_dir)
-    update(trained, data)
-    expected = values(trained, data)
+    worker_update(trained, data)
+    expected = worker_values(trained, data)
     trained.save_checkpoint(str(tmp_path / "global_step_1"), global_step=1)
     fresh = worker(model_dir)
-    assert not torch.equal(values(fresh, data), expected)
+    assert not torch.equal(worker_values(fresh, data), expected)
     fresh.load_checkpoint(str(tmp_path / "global_step_1"), del_local_after_load=False)
-    assert torch.equal(values(fresh, data), expected)
+    assert torch.equal(worker_values(fresh, data), expected)
     assert fresh.critic_optimizer.state_dict()["state"].keys() == trained.critic_optimizer.state_dict()["state"].keys()
 
 
@@ -94,15 +74,15 @@ def test_dynamic_batching_with_null_micro_batch_sizes(single_process, model_dir,
     w = worker(model_dir, **dynamic, ppo_max_token_len_per_gpu=24, forward_max_token_len_per_gpu=24)
     assert w.config.forward_micro_batch_size_per_gpu is None
     # micro-batches of other rows: the same sums over other padded shapes, fp32 rounding apart
-    torch.testing.assert_close(values(w, data), values(worker(model_dir), data), rtol=1e-5, atol=1e-6)
-    assert math.isfinite(reduce_metrics(update(w, data))["critic/vf_loss"])
+    torch.testing.assert_close(worker_values(w, data), worker_values(worker(model_dir), data), rtol=1e-5, atol=1e-6)
+    assert math.isfinite(reduce_metrics(worker_update(w, data))["critic/vf_loss"])
 
 
 def test_the_short_batch_of_verls_own_worker_test(single_process, model_dir):
     """verl's tests/workers/critic/test_special_dp_critic.py sends 2 rows with ppo_mini_batch_size=4."""
     w = worker(model_dir)
     before = params(w.critic_module)
-    metrics = reduce_metrics(update(w, rollout(2, seed=5)))
+    metrics = reduce_metrics(worker_update(w, rollout(2, seed=5)))
     assert math.isfinite(metrics["critic/vf_loss"]) and metrics["critic/skipped_steps"] == 0
     assert any(not torch.equal(before[k], v) for k, v in params(w.critic_module).items())
 
