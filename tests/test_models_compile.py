@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from conftest import make_batch, tiny_config
-from ppo_critic import CriticConfig
 from ppo_critic.models.compile import compile_decoder_layers, decoder_layers
-from ppo_critic.worker import CriticWorker
+from ppo_critic.worker import CriticWorker, worker_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,4 +70,4 @@ def test_a_model_without_a_layer_stack_is_named():
 )
 def test_bad_lever_settings_name_the_key(changes, message):
     with pytest.raises(ValueError, match=message):
-        CriticConfig.from_any({"ppo_mini_batch_size": 4, **changes})
+        worker_config({"ppo_mini_batch_size": 4, **changes})

@@ -19,6 +19,7 @@ from ppo_critic.models.megatron import (
     rope_theta,
     to_te_names,
 )
+from ppo_critic.worker import worker_config
 
 
 def hf_state(model_type: str, **overrides) -> tuple[dict[str, torch.Tensor], object]:
@@ -105,7 +106,10 @@ def test_unsupported_models_and_layouts_are_named(model_type, overrides, tp, pp,
     ("section", "message"),
     [
         ({"megatron": {"context_parallel_size": 2}}, "megatron.context_parallel_size must be 1"),
-        ({"megatron": {"sequence_parallel": True}}, "megatron.sequence_parallel=true is not supported"),
+        (
+            {"megatron": {"tensor_model_parallel_size": 2, "sequence_parallel": True}},
+            "megatron.sequence_parallel=true is not supported",
+        ),
         (
             {"megatron": {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}},
             "needs pipeline_model_parallel_size > 2",
@@ -126,7 +130,7 @@ def test_unsupported_models_and_layouts_are_named(model_type, overrides, tp, pp,
 )
 def test_megatron_config_errors_name_the_key(section, message):
     with pytest.raises(ValueError) as err:
-        CriticConfig.from_any({"strategy": "megatron", **section})
+        worker_config({"strategy": "megatron", **section})
     assert message in str(err.value)
 
 

@@ -157,9 +157,9 @@ def test_mini_batches_cover_every_row_once_or_explain_why_not(batch_size, mini, 
         groups = mini_batch_indices(batch_size, mini, shuffle=shuffle, seed=seed)
     except ValueError as err:
         documented(err)
-        assert mini < 1 or batch_size % mini
+        assert mini < 1
         return
-    assert all(len(g) == mini for g in groups)
+    assert all(len(g) == mini for g in groups[:-1]) and all(1 <= len(g) <= mini for g in groups[-1:])  # verl's rule
     assert sorted(i for g in groups for i in g.tolist()) == list(range(batch_size))
 
 

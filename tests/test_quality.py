@@ -11,7 +11,7 @@ from torch import nn
 
 from conftest import exported_values, make_batch, tiny_config
 from ppo_critic import CriticConfig, DataParallelPPOCritic
-from ppo_critic.worker import CriticWorker
+from ppo_critic.worker import CriticWorker, worker_config
 
 LORA = {
     "strategy": "none",
@@ -96,9 +96,9 @@ def test_lora_settings_that_cannot_work_are_explained():
         CriticWorker(lora_config(target_modules=["q_proj", "score"]), device="cpu")
     for strategy, message in [("megatron", "not supported with strategy=megatron"), ("fsdp", "strategy=fsdp")]:
         with pytest.raises(ValueError, match=message):
-            CriticConfig.from_any({"strategy": strategy, "model": {"lora_rank": 8}})
+            worker_config({"strategy": strategy, "model": {"lora_rank": 8}})
     with pytest.raises(ValueError, match="lora_alpha=0 must be a positive number"):
-        CriticConfig.from_any({"model": {"lora_rank": 8, "lora_alpha": 0}})
+        worker_config({"model": {"lora_rank": 8, "lora_alpha": 0}})
 
 
 # --- offload ---
@@ -106,13 +106,13 @@ def test_lora_settings_that_cannot_work_are_explained():
 
 def test_offload_settings_are_checked():
     with pytest.raises(ValueError, match=r"fsdp_config.param_offload=true needs strategy=fsdp2"):
-        CriticConfig.from_any({"strategy": "ddp", "model": {"fsdp_config": {"param_offload": True}}})
+        worker_config({"strategy": "ddp", "model": {"fsdp_config": {"param_offload": True}}})
     with pytest.raises(ValueError, match=r"optimizer_offload=true alone is not supported.*param_offload=true"):
-        CriticConfig.from_any({"model": {"fsdp_config": {"optimizer_offload": True}}})
+        worker_config({"model": {"fsdp_config": {"optimizer_offload": True}}})
     with pytest.raises(ValueError, match=r"param_offload='yes' must be true or false"):
-        CriticConfig.from_any({"model": {"fsdp_config": {"param_offload": "yes"}}})
+        worker_config({"model": {"fsdp_config": {"param_offload": "yes"}}})
     with pytest.raises(ValueError, match=r"enable_activation_offload=true is not supported.*gradient_checkpointing"):
-        CriticConfig.from_any({"model": {"enable_activation_offload": True}})
+        worker_config({"model": {"enable_activation_offload": True}})
 
 
 def test_param_offload_on_a_cpu_run_names_the_key():
@@ -192,14 +192,14 @@ def test_ppo_epochs_reshuffle_every_epoch_deterministically(tiny_qwen2):
 def test_megatron_names_the_quality_options_it_does_not_support():
     cfg = {"strategy": "megatron", "value_norm": "popart", "model": {"lora_rank": 4, "value_head_dtype": "bfloat16"}}
     with pytest.raises(ValueError) as info:
-        CriticConfig.from_any(cfg)
+        worker_config(cfg)
     text = str(info.value)
     assert "value_norm=popart is not supported with strategy=megatron" in text
     assert "lora_rank > 0 (LoRA) is not supported with strategy=megatron" in text
     assert "the megatron value head is always float32" in text
     # backend-independent, or what megatron does anyway
-    CriticConfig.from_any({"strategy": "megatron", "vf_loss_type": "huber", "value_norm": "running"})
-    CriticConfig.from_any({"strategy": "megatron", "model": {"value_head_dtype": "float32"}})
+    worker_config({"strategy": "megatron", "vf_loss_type": "huber", "value_norm": "running"})
+    worker_config({"strategy": "megatron", "model": {"value_head_dtype": "float32"}})
 
 
 def test_the_ablation_script_runs_a_configuration_and_tabulates_it():

@@ -21,7 +21,7 @@ from conftest import FakeDataProto, edited, make_batch, state_hash, tiny_config
 from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.cli import main
 from ppo_critic.train import train
-from ppo_critic.worker import CriticWorker
+from ppo_critic.worker import CriticWorker, worker_config
 from test_train import SHORT, short_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +136,7 @@ def _batch_cases() -> dict[str, tuple]:
             "update",
             {**g, "multi_modal_inputs": [{}] * 7},
             ValueError,
-            "batch['multi_modal_inputs'] has 7 entries but the batch has 8 samples",
+            "batch['multi_modal_inputs'] must hold one dict per sample (8), got 7 entries",
         ),
         "dataproto-without-tensors": (
             "update",
@@ -194,22 +194,6 @@ CONFIG_CASES = {
         {"ulysses_sequence_parallel_size": 2},
         "ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true",
     ),
-    "megatron-context-parallel": (
-        {"strategy": "megatron", "megatron": {"context_parallel_size": 2}},
-        "megatron.context_parallel_size must be 1 (context parallelism needs transformer-engine)",
-    ),
-    "megatron-sequence-parallel": (
-        {"strategy": "megatron", "megatron": {"sequence_parallel": True}},
-        "megatron.sequence_parallel=true is not supported (it needs transformer-engine); set false",
-    ),
-    "megatron-virtual-pipeline-without-pipeline": (
-        {"strategy": "megatron", "megatron": {"virtual_pipeline_model_parallel_size": 2}},
-        "megatron.virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size",
-    ),
-    "megatron-tensor-parallel-zero": (
-        {"strategy": "megatron", "megatron": {"tensor_model_parallel_size": 0}},
-        "megatron.tensor_model_parallel_size=0 must be a positive integer",
-    ),
     "megatron-with-ulysses": (
         {"strategy": "megatron", "ulysses_sequence_parallel_size": 2, "model": {"use_remove_padding": True}},
         "ulysses_sequence_parallel_size must be 1 with strategy=megatron (use megatron's tensor parallel)",
@@ -224,6 +208,34 @@ def test_bad_config_is_rejected_at_construction(warm_critic, case):
     rejects(
         lambda: DataParallelPPOCritic({**CRITIC, **config}, model, optimizer), ValueError, message, model, optimizer
     )
+
+
+# what a worker builds (megatron layout): checked by ppo-critic's workers, not by a critic given a built model
+WORKER_CASES = {
+    "megatron-context-parallel": (
+        {"strategy": "megatron", "megatron": {"context_parallel_size": 2}},
+        "megatron.context_parallel_size must be 1 (context parallelism needs transformer-engine)",
+    ),
+    "megatron-sequence-parallel": (
+        {"strategy": "megatron", "megatron": {"tensor_model_parallel_size": 2, "sequence_parallel": True}},
+        "megatron.sequence_parallel=true is not supported (it needs transformer-engine); set false",
+    ),
+    "megatron-virtual-pipeline-without-pipeline": (
+        {"strategy": "megatron", "megatron": {"virtual_pipeline_model_parallel_size": 2}},
+        "megatron.virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size",
+    ),
+    "megatron-tensor-parallel-zero": (
+        {"strategy": "megatron", "megatron": {"tensor_model_parallel_size": 0}},
+        "megatron.tensor_model_parallel_size=0 must be a positive integer",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WORKER_CASES))
+def test_bad_layout_is_rejected_by_the_worker(case):
+    config, message = WORKER_CASES[case]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        worker_config({**CRITIC, **config})
 
 
 def fresh_critic_parts(tiny_qwen2):

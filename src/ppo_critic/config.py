@@ -155,11 +155,11 @@ class CriticConfig:
             self.value_norm = "off"
 
     @classmethod
-    def from_any(cls, cfg: Any) -> CriticConfig:
+    def from_any(cls, cfg: Any, worker: bool = False) -> CriticConfig:
         """Build from a CriticConfig, a nested dict, an OmegaConf node or one of verl's critic config dataclasses
-        (`ppo_critic.verl_config`), and check what the critic itself reads (`validate(worker=False)`)."""
+        (`ppo_critic.verl_config`), and check what the critic reads (`worker=True`: also what a worker builds)."""
         config = copy.deepcopy(cfg) if isinstance(cfg, CriticConfig) else cls.from_dict(verl_config.to_mapping(cfg))
-        config.validate(worker=False)
+        config.validate(worker=worker)
         return config
 
     @classmethod

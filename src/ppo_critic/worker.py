@@ -350,9 +350,7 @@ def make_critic_worker(config: Any, **kwargs: Any) -> CriticWorker:
 
 def worker_config(config: Any) -> CriticConfig:
     """The critic config checked for what a worker builds too (model, optimizer, layout), not only the critic."""
-    config = CriticConfig.from_any(config)
-    config.validate()
-    return config
+    return CriticConfig.from_any(config, worker=True)
 
 
 def model_from_config(model: ModelConfig) -> nn.Module:
