@@ -85,7 +85,7 @@ def save_state_dicts(
                 _write_text(tmp / STATE_FILE, json.dumps({"step": step, **state}, indent=1))
                 _fsync_dir(tmp)
                 if final.exists():  # the same step saved again after a resume: replace it whole
-                    _delete_step(final)
+                    delete_checkpoint(final)
                 os.rename(tmp, final)
     except BaseException:
         if lead:
@@ -98,7 +98,7 @@ def save_state_dicts(
         if keep_last_n:
             for old in _complete_steps(root)[:-keep_last_n]:
                 try:
-                    _delete_step(old)
+                    delete_checkpoint(old)
                 except OSError as err:  # the new checkpoint is saved; an old one that stays is no reason to stop
                     warnings.warn(f"could not delete old checkpoint {old}: {err}", stacklevel=2)
     _barrier()
@@ -304,9 +304,9 @@ def _complete_steps(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def _delete_step(path: Path) -> None:
-    """Remove a checkpoint directory: first renamed out of the `step_*` namespace (atomic), then deleted, so a crash
-    while deleting never leaves a damaged directory that looks like a checkpoint."""
+def delete_checkpoint(path: Path) -> None:
+    """Remove a checkpoint directory (one `save_checkpoint` wrote): first renamed out of the `step_*` namespace
+    (atomic), then deleted, so a crash while deleting never leaves a damaged directory that looks like one."""
     doomed = path.with_name(f".del-{path.name}-{uuid.uuid4().hex[:8]}")
     os.rename(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)

@@ -9,8 +9,9 @@ cd "$(dirname "$0")/../.."
 version="${1:?usage: tests/with_verl/run.sh VERSION [pytest args]}"
 shift
 case "$version" in
-  0.7.*) suite=tests/with_verl/legacy ;;
-  *) echo "tests/with_verl/run.sh: no suite for verl $version (known: 0.7.x)" >&2; exit 2 ;;
+  0.7.*) suite=tests/with_verl/legacy ;;  # the legacy critic API: ppo_critic.integrations.verl
+  0.9.*) suite=tests/with_verl/engine ;;  # the engine plugin: critic.strategy=ppo_critic
+  *) echo "tests/with_verl/run.sh: no suite for verl $version (known: 0.7.x, 0.9.x)" >&2; exit 2 ;;
 esac
 venv=".venv-verl-$version"
 reqs="$suite/requirements.txt"

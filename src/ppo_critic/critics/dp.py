@@ -24,7 +24,7 @@ from ppo_critic.packing import pack
 from ppo_critic.parallel.fsdp import average_plain_gradients, clip_grad_norm
 from ppo_critic.parallel.mesh import parallel_groups
 from ppo_critic.parallel.ulysses import check_heads_of, gather_sequence, sequence_parallel
-from ppo_critic.perf import ModelShape
+from ppo_critic.perf import ModelShape, PhaseTimer
 from ppo_critic.value_norm import ValueNormalizer
 
 
@@ -112,25 +112,40 @@ class DataParallelPPOCritic(PPOCriticBase):
             with timer("backward"):  # under DDP / FSDP this includes their gradient reduction
                 loss.backward()
             step_loss += loss.detach()
-        with timer("collective"):
+        grad_norm = self.apply_gradients(self._loss_is_finite(step_loss), timer)
+        metrics.add_step(step_loss / self.groups.world_size, grad_norm)
+
+    def apply_gradients(self, loss_is_finite: bool, timer: PhaseTimer | None = None) -> Tensor:
+        """One optimizer step from the accumulated gradients: average them (strategy none under DP), clip, step and
+        update the moving average, or skip when the norm or the loss (`loss_is_finite`, agreed over ranks; e.g.
+        saturated clipping: finite gradient, infinite loss) is not finite. Returns the pre-clip norm (NaN when
+        skipped for the loss); the gradients are zeroed either way."""
+        timed = timer or (lambda _phase: contextlib.nullcontext())
+        with timed("collective"):
             average_plain_gradients(self.critic_module, self.groups.world_size)
-        with timer("optimizer"):
-            grad_norm = clip_grad_norm(self.critic_module, cfg.grad_clip)
-            if not self._loss_is_finite(step_loss):  # e.g. saturated clipping: finite gradient, infinite loss
+        with timed("optimizer"):
+            grad_norm = clip_grad_norm(self.critic_module, self.config.grad_clip)
+            if not loss_is_finite:
                 grad_norm = torch.full_like(grad_norm, float("nan"))  # skipped and counted like a bad gradient
             if torch.isfinite(grad_norm):
                 self.critic_optimizer.step()
                 if self.ema is not None:
                     self.ema.update()
             self.critic_optimizer.zero_grad(set_to_none=True)
-        metrics.add_step(step_loss / self.groups.world_size, grad_norm)
+        return grad_norm
 
     def _forward_micro_batch(self, micro: Batch) -> Tensor:
         """Values [b, R] in float32: the model output at the position before each response token."""
         r = micro.response_length
+        return self.token_values(micro)[:, -r - 1 : -1]
+
+    def token_values(self, micro: Batch) -> Tensor:
+        """The model's output [b, T] (float32, the model's output space) at every position of a micro-batch of
+        input_ids / attention_mask / position_ids; padding positions are meaningless. Packed or padded, with
+        Ulysses, as configured."""
         with self._autocast():
             values = self._packed_token_values(micro) if self.use_remove_padding else self._token_values(micro)
-        return values[:, -r - 1 : -1].float()
+        return values.float()
 
     def _token_values(self, micro: Batch) -> Tensor:
         """Per-token values [b, T] of the padded micro-batch."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
-from verl_helpers import MODES
+from verl_shared import MODES
 
 from ppo_critic import algos
 

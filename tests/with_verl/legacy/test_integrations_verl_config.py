@@ -11,7 +11,8 @@ import torch
 from omegaconf import OmegaConf
 from verl.workers.config import FSDPCriticConfig, FSDPOptimizerConfig
 from verl.workers.config.critic import FSDPCriticModelCfg
-from verl_helpers import VERL_CONFIG_DIR, composed, critic_dataclass
+from verl_helpers import critic_dataclass
+from verl_shared import VERL_CONFIG_DIR, composed
 
 import ppo_critic.integrations.verl as integration
 from ppo_critic import CriticConfig, DataParallelPPOCritic, build_value_model

@@ -14,7 +14,8 @@ import pytest
 import torch
 from verl.workers.config import FSDPCriticConfig
 from verl.workers.config.critic import FSDPCriticModelCfg
-from verl_helpers import MODES, VerlCritic, params, rel_change, rollout, verl_critic_in_fp32
+from verl_helpers import VerlCritic, verl_critic_in_fp32
+from verl_shared import MODES, params, rel_change, rollout
 
 from ppo_critic import DataParallelPPOCritic
 

@@ -13,16 +13,8 @@ import sys
 import pytest
 import torch
 from verl.trainer.ppo.metric_utils import reduce_metrics
-from verl_helpers import (
-    OursInVerl,
-    VerlCritic,
-    make_worker,
-    params,
-    rel_change,
-    rollout,
-    worker_update,
-    worker_values,
-)
+from verl_helpers import OursInVerl, VerlCritic, make_worker, worker_update, worker_values
+from verl_shared import params, rel_change, rollout
 
 SAME = 1e-6  # see test_integrations_verl_critic.py: rounding of one fp32 gradient summed in another order
 FIXED = {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 4, "forward_micro_batch_size_per_gpu": 2}

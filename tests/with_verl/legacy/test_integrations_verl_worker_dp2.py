@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import torch
-from verl_helpers import make_worker, params, rel_change, rollout, worker_update, worker_values
+from verl_helpers import make_worker, worker_update, worker_values
+from verl_shared import params, rel_change, rollout
 from worker_dp2 import SGD
 
 HERE = Path(__file__).resolve().parent

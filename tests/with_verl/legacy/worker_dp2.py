@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 from verl import DataProto
-from verl_helpers import VerlCritic, make_worker, params, worker_values
+from verl_helpers import VerlCritic, make_worker, worker_values
+from verl_shared import params
 
 import ppo_critic.integrations.verl as integration
 

@@ -1,0 +1,284 @@
+"""ppo-critic as the value-model engine of verl ≥ 0.9 (`critic.strategy=ppo_critic`); registered with verl's
+`EngineRegistry` by `ppo_critic.integrations.verl_plugin` when verl's engines load.
+
+verl's `TrainingWorker` loops epochs and mini-batches and hands the engine one mini-batch (nested, padding-free
+`TensorDict`) and verl's loss function at a time. The engine cuts micro-batches (fixed or token-budget, the same
+count on every DP rank), runs ppo-critic's critic on each (packed attention without flash-attn, Ulysses, FSDP2 /
+FSDP1 / DDP), calls verl's loss with the mini-batch's global denominators, and steps (clip, skip when not finite,
+moving average). Model, optimizer, LR schedule, moving average and checkpoints are a ppo-critic `CriticWorker`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.base import BaseEngine, EngineRegistry
+
+from ppo_critic.batch import Batch
+from ppo_critic.batching import check_token_budget
+from ppo_critic.checkpoint import delete_checkpoint, latest_checkpoint
+from ppo_critic.config import CriticConfig
+from ppo_critic.integrations.options import with_options
+from ppo_critic.parallel.mesh import parallel_groups, resolve_device
+from ppo_critic.verl_config import to_mapping
+from ppo_critic.worker import CriticWorker, worker_config
+
+BACKEND = "ppo_critic"
+FP32 = ("float32", "fp32")
+
+
+def engine_critic_config(model_config: Any, engine_config: Any, optimizer_config: Any) -> CriticConfig:
+    """ppo-critic's critic config from verl's model, engine and optimizer configs (+ `PPO_CRITIC_OPTIONS`).
+
+    verl's keys are read, never rejected: what ppo-critic has is taken over (sizes, budgets, Ulysses, clipping, the
+    model and optimizer settings); the rest stays verl's. The engine's mixed-precision `dtype` is honoured as
+    float32 when it says so; otherwise ppo-critic's default applies (bf16 autocast on CUDA, as verl; fp32 on CPU).
+    """
+    model, engine, optim = to_mapping(model_config), to_mapping(engine_config), to_mapping(optimizer_config)
+    unsupported = [f"critic.fsdp.{key}=true" for key in ("param_offload", "optimizer_offload") if engine.get(key)]
+    if engine.get("offload_policy"):
+        unsupported.append("critic.fsdp.offload_policy=true")
+    if engine.get("forward_only"):
+        unsupported.append("critic.fsdp.forward_only=true")
+    if unsupported:
+        raise ValueError(
+            f"the {BACKEND} engine does not support {', '.join(unsupported)} yet; set false (or use verl's fsdp "
+            "engine for offloading)"
+        )
+    micro = engine.get("micro_batch_size_per_gpu")
+    section = {
+        "strategy": "fsdp2",
+        "ppo_mini_batch_size": micro or 1,  # verl's worker cuts mini-batches; the engine sees one at a time
+        "ppo_micro_batch_size_per_gpu": micro,
+        "forward_micro_batch_size_per_gpu": engine.get("infer_micro_batch_size_per_gpu"),
+        "use_dynamic_bsz": bool(engine.get("use_dynamic_bsz")),
+        "ppo_max_token_len_per_gpu": engine.get("max_token_len_per_gpu") or 32768,
+        "forward_max_token_len_per_gpu": engine.get("infer_max_token_len_per_gpu"),
+        "ulysses_sequence_parallel_size": engine.get("ulysses_sequence_parallel_size") or 1,
+        "grad_clip": optim.get("clip_grad"),
+        "dtype": "float32" if engine.get("dtype") in FP32 else None,
+        "model": {
+            "path": model.get("local_path") or model.get("path"),
+            "override_config": dict(model.get("override_config") or {}),
+            "trust_remote_code": bool(model.get("trust_remote_code")),
+            "use_remove_padding": bool(model.get("use_remove_padding") or engine.get("use_remove_padding")),
+            "enable_gradient_checkpointing": bool(model.get("enable_gradient_checkpointing")),
+            "lora_rank": model.get("lora_rank") or 0,
+            "lora_alpha": model.get("lora_alpha") or 16,
+            "target_modules": model.get("target_modules") or "all-linear",
+        },
+        "optim": {k: v for k, v in optim.items() if k != "clip_grad"},
+    }
+    config = with_options(CriticConfig.from_dict(section))
+    if config.value_norm != "off":
+        raise ValueError(f"value_norm={config.value_norm!r} is not supported by the {BACKEND} engine yet; use off")
+    return worker_config(config)
+
+
+@EngineRegistry.register(model_type="value_model", backend=BACKEND, device=["cuda", "cpu"])
+class PPOCriticEngine(BaseEngine):
+    """verl's engine interface over a ppo-critic `CriticWorker` (built in `initialize`)."""
+
+    def __init__(self, model_config: Any, engine_config: Any, optimizer_config: Any, checkpoint_config: Any):
+        self.model_config, self.engine_config = model_config, engine_config
+        self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
+        self.config = engine_critic_config(model_config, engine_config, optimizer_config)
+        self.device = resolve_device("auto")
+        # verl's worker asks for the data-parallel rank before `initialize`: the groups exist from here on
+        self.groups = parallel_groups(self.config.ulysses_sequence_parallel_size)
+        self.worker: CriticWorker | None = None
+        self.mode: str | None = None
+        self._loss_is_finite = True
+        self._saved: list[Path] = []
+
+    def initialize(self) -> None:
+        """Model, optimizer, LR schedule and critic (once; verl's `reset` calls this again)."""
+        if self.worker is None:
+            total = getattr(self.optimizer_config, "total_training_steps", None)
+            seed = getattr(self.engine_config, "seed", 0) or 0
+            self.worker = CriticWorker(self.config, total_steps=total if total and total > 0 else None, seed=seed)
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return False
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return False
+
+    @contextlib.contextmanager
+    def train_mode(self, **kwargs: Any) -> Iterator[None]:
+        self.mode = "train"
+        self._critic._set_training(True)
+        try:
+            yield
+        finally:
+            self.mode = None
+
+    @contextlib.contextmanager
+    def eval_mode(self, **kwargs: Any) -> Iterator[None]:
+        """Values come from the weights `compute_values` uses: under `ema_decay`, their moving average."""
+        self.mode = "eval"
+        self._critic._set_training(False)
+        try:
+            with self._critic.averaged_weights():
+                yield
+        finally:
+            self.mode = None
+
+    def optimizer_zero_grad(self) -> None:
+        self._critic.critic_optimizer.zero_grad(set_to_none=True)
+        self._loss_is_finite = True
+
+    def optimizer_step(self) -> float:
+        """Clip, then step — or skip when the gradient norm or a micro-batch loss was not finite (NaN returned)."""
+        finite = bool(self._critic._all_reduce(torch.tensor(float(self._loss_is_finite), device=self.device), "min"))
+        return float(self._critic.apply_gradients(finite))
+
+    def lr_scheduler_step(self) -> float:
+        self.worker.scheduler.step()
+        return self._critic._lr()
+
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None, forward_only: bool = False):
+        """Micro-batches of one mini-batch through the critic: per-token `values` (nested, like verl's own value
+        engine), verl's `loss_function` over the global denominators, and (unless `forward_only`) the backward."""
+        critic = self._critic
+        batch = dense_inputs(data, self.device)
+        critic._check_token_ids(batch)
+        train = not forward_only
+        dynamic = bool(tu.get_non_tensor_data(data, "use_dynamic_bsz", self.config.use_dynamic_bsz))
+        sizes = self.config.micro_batch_sizes(self.groups.dp_size)
+        micro = tu.get_non_tensor_data(data, "micro_batch_size_per_gpu", None) or sizes[0 if train else 1]
+        default_budget = self.config.ppo_max_token_len_per_gpu if train else self.config.forward_max_token_len
+        budget = (tu.get_non_tensor_data(data, "max_token_len_per_gpu", None) or default_budget) * critic.sp_size
+        if dynamic:
+            check_token_budget(batch["attention_mask"].sum(-1), budget)
+        if loss_function is not None:
+            self._assign_denominators(data)
+        groups = critic._micro_batches(batch, dynamic, int(micro), int(budget))
+        rows_out: dict[int, Tensor] = {}
+        losses: list[float] = []
+        metrics: dict[str, list] = {}
+        for rows in groups:
+            real = bool(rows)
+            rows = rows or [0]  # an empty group runs with zero weight, so every DP rank runs as many
+            inputs = batch.index(rows)
+            values = as_jagged(critic.token_values(inputs), inputs["attention_mask"])
+            if loss_function is not None:
+                micro_data = tu.index_select_tensor_dict(data, rows)
+                loss, micro_metrics = loss_function(
+                    model_output={"values": values}, data=micro_data, dp_group=self.get_data_parallel_group()
+                )
+                loss = loss if real else loss * 0
+                self._loss_is_finite &= bool(torch.isfinite(loss.detach()))
+                if train:
+                    loss.backward()
+                if real:
+                    losses.append(float(loss.detach()))
+                    for key, value in micro_metrics.items():
+                        metrics.setdefault(key, []).append(value)
+            if real:
+                rows_out.update(zip(rows, values.detach().unbind(), strict=True))
+        ordered = [rows_out[i] for i in range(len(batch))]
+        return {
+            "model_output": {"values": torch.nested.as_nested_tensor(ordered, layout=torch.jagged)},
+            "loss": losses,
+            "metrics": metrics,
+        }
+
+    def _assign_denominators(self, data: TensorDict) -> None:
+        """verl's loss normalises by `batch_num_tokens` (this mini-batch's loss-mask tokens on every DP rank) and
+        `global_batch_size` (its sequences), times `dp_size`. Gradients are averaged over all dp × sp ranks, and
+        under Ulysses each sp rank backpropagates its slice of the loss: so `dp_size` is dp × sp."""
+        tokens = self._critic._all_reduce(data["loss_mask"].sum().double().to(self.device))
+        assign = {"batch_num_tokens": float(tokens), "dp_size": self.groups.world_size}
+        if tu.get_non_tensor_data(data, "global_batch_size", None) is None:
+            rows = torch.tensor(float(len(data)), dtype=torch.float64, device=self.device)
+            assign["global_batch_size"] = float(self._critic._all_reduce(rows))
+        tu.assign_non_tensor(data, **assign)
+
+    def get_data_parallel_size(self) -> int:
+        return self.groups.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.groups.dp_rank
+
+    def get_data_parallel_group(self) -> Any:
+        return self.groups.dp_group
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        """One rank per sequence-parallel group reports (they all hold the same outputs)."""
+        return self.groups.sp_group is None or torch.distributed.get_rank(self.groups.sp_group) == 0
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        """The engine keeps everything on its device (no offload)."""
+        if torch.device(device).type != self.device.type:
+            raise ValueError(f"the {BACKEND} engine does not offload to {device}; it keeps the critic on {self.device}")
+
+    def save_checkpoint(
+        self,
+        local_path: str,
+        hdfs_path: str | None = None,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Model, optimizer, LR schedule, moving average and RNG (DCP, written atomically) under `local_path`; of
+        the checkpoints this engine wrote, only the newest `max_ckpt_to_keep` are kept."""
+        if hdfs_path is not None:
+            raise ValueError(f"the {BACKEND} engine saves to a local (or mounted) path only; got hdfs_path={hdfs_path}")
+        self.worker.step = int(global_step)
+        self._saved.append(self.worker.save_checkpoint(local_path))
+        if max_ckpt_to_keep and len(self._saved) > max_ckpt_to_keep:
+            if torch.distributed.get_rank() == 0:
+                for old in self._saved[:-max_ckpt_to_keep]:
+                    delete_checkpoint(old)
+            self._saved = self._saved[-max_ckpt_to_keep:]
+
+    def load_checkpoint(
+        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True, **kwargs: Any
+    ) -> None:
+        """The newest complete checkpoint under `local_path` (files are never deleted after loading)."""
+        path = latest_checkpoint(local_path)
+        if path is None:
+            raise FileNotFoundError(f"no complete {BACKEND} checkpoint under {local_path}")
+        self.worker.load_checkpoint(path)
+
+    def get_per_tensor_param(self, **kwargs: Any):
+        raise NotImplementedError(f"the {BACKEND} engine is a critic: its weights are not synced to a rollout")
+
+    @property
+    def _critic(self):
+        if self.worker is None:
+            raise RuntimeError(f"the {BACKEND} engine is not initialised; call initialize() (verl's reset) first")
+        return self.worker.critic
+
+
+def dense_inputs(data: TensorDict, device: torch.device) -> Batch:
+    """Right-padded `input_ids`, `attention_mask` and `position_ids` [B, T] of verl's nested (padding-free)
+    mini-batch, on `device`."""
+    ids, positions = data["input_ids"], data["position_ids"]
+    if positions.values().dim() != 1:
+        raise ValueError(f"the {BACKEND} engine takes text rollouts (one position id per token); mrope is not supported")
+    lengths = ids.offsets().diff().long()
+    mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    tensors = {"attention_mask": mask.long()}
+    for key, nested in (("input_ids", ids), ("position_ids", positions)):
+        dense = nested.values().new_zeros(mask.shape)
+        dense[mask] = nested.values()  # row-major over the valid positions: the order of the packed values
+        tensors[key] = dense
+    return Batch(tensors).to(device)
+
+
+def as_jagged(values: Tensor, attention_mask: Tensor) -> Tensor:
+    """Per-token values [b, T] at the valid positions of a right-padded micro-batch, as verl's nested layout."""
+    lengths = attention_mask.sum(-1)
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    return torch.nested.nested_tensor_from_jagged(values[attention_mask.bool()], offsets)
