@@ -1,7 +1,8 @@
 """Run under torchrun (2 ranks: sp=2; 4 ranks: dp=2 × sp=2). argv: <reference.pt> <out.json> <sp>.
 
-For each model (GQA with 2 and with 1 key/value head), loss mode, wrapping (FSDP2, FSDP1) and micro-batching:
-values and one update, compared with the single-process reference of test_ulysses.py."""
+For each model (GQA with 2 and with 1 key/value head), loss mode, wrapping (FSDP2, FSDP1) and micro-batching, and
+once with gradient checkpointing: values and one update, compared with the single-process reference of
+test_ulysses.py."""
 
 from __future__ import annotations
 
@@ -30,8 +31,12 @@ def main() -> None:
     results = []
     for name, entry in ref["models"].items():
         for mode, expected in entry["updates"].items():
-            for strategy, layout in [(s, lay) for s in ("fsdp2", "fsdp") for lay in LAYOUTS]:
-                model = parallelize(copy.deepcopy(entry["model"]), strategy, torch.device("cpu"))
+            combos = [(s, lay, False) for s in ("fsdp2", "fsdp") for lay in LAYOUTS] + [("fsdp2", LAYOUTS[0], True)]
+            for strategy, layout, checkpointing in combos:
+                model = copy.deepcopy(entry["model"])
+                if checkpointing:  # the backward recomputes each layer's forward, all-to-alls included
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                model = parallelize(model, strategy, torch.device("cpu"))
                 cfg = {"ppo_mini_batch_size": mini, "grad_clip": None, "loss_agg_mode": mode, **layout}
                 cfg |= {"ulysses_sequence_parallel_size": sp, "model": {"use_remove_padding": True}}
                 critic = DataParallelPPOCritic(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -48,6 +53,7 @@ def main() -> None:
                 err = (full - entry["values"]).abs().max().item()
                 results.append(
                     {"model": name, "strategy": strategy, "mode": mode, "layout": layout, "rel": rel}
+                    | {"checkpointing": checkpointing}
                     | {"values_max_abs": err}
                 )
     if dist.get_rank() == 0:

@@ -58,6 +58,7 @@ def rollout(batch_size: int, prompt_len: int = 6, response_len: int = 5, seed: i
         attention_mask[i, : int(torch.randint(0, prompt_len, (1,), generator=g))] = 0
         attention_mask[i, prompt_len + int(torch.randint(1, response_len + 1, (1,), generator=g)) :] = 0
     tensors = {
+        "prompts": input_ids[:, :prompt_len],
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),

@@ -109,7 +109,7 @@ class DataParallelPPOCritic(PPOCriticBase):
             micro = mini_batch.index(rows or [0])  # an empty group runs with zero weight, so ranks stay in step
             with timer("forward"):
                 loss = self._micro_batch_loss(micro, bool(rows), self._forward_micro_batch(micro), norm, metrics)
-            with timer("backward"):  # under DDP / FSDP this includes their gradient reduction
+            with timer("backward"), self.sequence_parallel():  # + DDP's / FSDP's gradient reduction
                 loss.backward()
             step_loss += loss.detach()
         grad_norm = self.apply_gradients(self._loss_is_finite(step_loss), timer)
@@ -174,10 +174,15 @@ class DataParallelPPOCritic(PPOCriticBase):
         if multi_modal:
             raise ValueError("multi_modal_inputs with ulysses_sequence_parallel_size > 1 are not supported; use sp=1")
         sp_rank = torch.distributed.get_rank(self.groups.sp_group)
-        with sequence_parallel(self.groups.sp_group):
+        with self.sequence_parallel():
             output = self.critic_module(**packed.model_kwargs(self.sp_size, sp_rank), use_cache=False)
             values = gather_sequence(token_values(self.critic_module, output), self.groups.sp_group)
         return packed.unpack(values[:, : packed.input_ids.shape[1]])
+
+    def sequence_parallel(self) -> contextlib.AbstractContextManager:
+        """The Ulysses group for the packed attention, around the forward and around the backward too: gradient
+        checkpointing recomputes the forward of each layer during the backward, all-to-alls included."""
+        return sequence_parallel(self.groups.sp_group) if self.sp_size > 1 else contextlib.nullcontext()
 
     def _multi_modal_kwargs(self, micro: Batch) -> dict[str, Tensor]:
         """Per-sample `multi_modal_inputs` (e.g. pixel_values, image_grid_thw) concatenated in row order."""

@@ -11,6 +11,7 @@ moving average). Model, optimizer, LR schedule, moving average and checkpoints a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,11 @@ class PPOCriticEngine(BaseEngine):
         if self.worker is None:
             total = getattr(self.optimizer_config, "total_training_steps", None)
             seed = getattr(self.engine_config, "seed", 0) or 0
-            self.worker = CriticWorker(self.config, total_steps=total if total and total > 0 else None, seed=seed)
+            # a CriticWorker takes global sizes and gives its critic per-rank ones
+            config = dataclasses.replace(
+                self.config, ppo_mini_batch_size=self.config.ppo_mini_batch_size * self.groups.dp_size
+            )
+            self.worker = CriticWorker(config, total_steps=total if total and total > 0 else None, seed=seed)
 
     @property
     def is_param_offload_enabled(self) -> bool:
@@ -179,7 +184,8 @@ class PPOCriticEngine(BaseEngine):
                 loss = loss if real else loss * 0
                 self._loss_is_finite &= bool(torch.isfinite(loss.detach()))
                 if train:
-                    loss.backward()
+                    with critic.sequence_parallel():  # checkpointed layers recompute their all-to-alls
+                        loss.backward()
                 if real:
                     losses.append(float(loss.detach()))
                     for key, value in micro_metrics.items():
@@ -266,7 +272,9 @@ def dense_inputs(data: TensorDict, device: torch.device) -> Batch:
     mini-batch, on `device`."""
     ids, positions = data["input_ids"], data["position_ids"]
     if positions.values().dim() != 1:
-        raise ValueError(f"the {BACKEND} engine takes text rollouts (one position id per token); mrope is not supported")
+        raise ValueError(
+            f"the {BACKEND} engine takes text rollouts (one position id per token); mrope is not supported"
+        )
     lengths = ids.offsets().diff().long()
     mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
     tensors = {"attention_mask": mask.long()}

@@ -1,0 +1,142 @@
+"""verl ≥ 0.9 with `critic.strategy=ppo_critic`: the plugin registers with `import verl` alone (and fails loudly),
+verl's config is read as verl reads it, and verl's own `TrainingWorker` running ppo-critic's engine gives the values,
+the update and a checkpoint round trip of ppo-critic's `DataParallelPPOCritic` on the same weights and data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from engine_helpers import SGD, critic_config, engine_params, infer_values, reference, train, training_worker
+from verl_shared import MODES, rel_change, rollout
+
+from ppo_critic.integrations.options import OPTIONS_ENV
+from ppo_critic.integrations.verl_engine import engine_critic_config
+
+LAYOUT = 1e-5  # DESIGN §6: one update at any layout equals the single-process update to this relative error
+# the same rows with padding elsewhere (verl's nested rows are padded on the right, the reference's prompts on the
+# left): the same sums in another order, fp32 rounding apart
+VALUES = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python process, as a Ray worker of verl's starts (verl's own platform detection)."""
+    inherited = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    return subprocess.run(
+        [sys.executable, "-W", "always", "-c", code],
+        env={**inherited, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_plugin_registers_with_import_verl_alone():
+    probe = (
+        "import verl\nfrom verl.workers.engine import EngineRegistry\n"
+        "engines = EngineRegistry._engines['value_model']['ppo_critic']\n"
+        "print(sorted(engines), {c.__module__ for c in engines.values()})"
+    )
+    result = run(probe)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("['cpu', 'cuda'] {'ppo_critic.integrations.verl_engine'}")
+    off = run(probe, VERL_USE_EXTERNAL_PLUGINS="none")  # verl's own switch
+    assert off.returncode != 0 and "KeyError: 'ppo_critic'" in off.stderr
+
+
+def test_a_broken_install_is_loud_and_leaves_verls_engines_alone():
+    broken = "import sys\nsys.modules['ppo_critic.integrations.verl_engine'] = None\n"  # its import now fails
+    result = run(broken + "import verl.workers.engine\nprint('verl works')")
+    assert result.returncode == 0 and result.stdout.strip() == "verl works", result.stderr[-3000:]
+    said = "ppo-critic's verl engine (critic.strategy=ppo_critic) could not be registered: ModuleNotFoundError"
+    assert "ERROR:" in result.stderr and f"RuntimeWarning: {said}" in result.stderr
+    assert "pip install 'ppo-critic[verl]'" in result.stderr
+
+
+def test_verls_config_is_read_as_verl_reads_it(model_dir, monkeypatch):
+    settings = {
+        "+fsdp.use_dynamic_bsz": False,
+        "+fsdp.micro_batch_size_per_gpu": 3,
+        "fsdp.ulysses_sequence_parallel_size": 2,
+        "model.use_remove_padding": True,
+        "model.enable_gradient_checkpointing": False,
+        "optim.lr": 3e-4,
+        "optim.betas": "[0.8,0.95]",
+        "optim.lr_scheduler_type": "cosine",
+        "optim.total_training_steps": 100,
+        "optim.clip_grad": 0.7,
+        "ppo_max_token_len_per_gpu": 4096,
+    }
+    verl = critic_config(model_dir, **settings)
+    engine = verl.engine
+    engine.max_token_len_per_gpu = verl.ppo_max_token_len_per_gpu
+    ours = engine_critic_config(verl.model, engine, verl.optim)
+    assert (ours.use_dynamic_bsz, ours.ppo_micro_batch_size_per_gpu) == (False, 3)
+    assert (ours.ppo_max_token_len_per_gpu, ours.ulysses_sequence_parallel_size, ours.grad_clip) == (4096, 2, 0.7)
+    assert ours.model.use_remove_padding and not ours.model.enable_gradient_checkpointing
+    assert ours.model.path == str(model_dir) and ours.strategy == "fsdp2"
+    assert (ours.optim.lr, tuple(ours.optim.betas), ours.optim.warmup_style) == (3e-4, (0.8, 0.95), "cosine")
+    assert ours.optim.total_training_steps == 100 and ours.dtype is None  # bf16 on CUDA, fp32 on CPU
+    monkeypatch.setenv(OPTIONS_ENV, "ema_decay=0.9 strategy=ddp")
+    assert engine_critic_config(verl.model, engine, verl.optim).ema_decay == 0.9
+    monkeypatch.setenv(OPTIONS_ENV, "value_norm=running")
+    with pytest.raises(ValueError, match="value_norm='running' is not supported by the ppo_critic engine yet"):
+        engine_critic_config(verl.model, engine, verl.optim)
+    monkeypatch.delenv(OPTIONS_ENV)
+    offload = critic_config(model_dir, **{"fsdp.param_offload": True})
+    with pytest.raises(ValueError, match=r"does not support critic.fsdp.param_offload=true yet"):
+        engine_critic_config(offload.model, offload.engine, offload.optim)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("micro", [None, 2], ids=["token-budget", "micro-2"])
+def test_values_update_and_checkpoint_equal_ppo_critics_own(single_process, model_dir, tmp_path, packed, micro):
+    data = rollout(8, seed=1)
+    batching = {"+fsdp.use_dynamic_bsz": micro is None, "ppo_max_token_len_per_gpu": 24}
+    if micro:
+        batching["+fsdp.micro_batch_size_per_gpu"] = micro
+    worker = training_worker(model_dir, **SGD, **batching, **{"model.use_remove_padding": packed})
+    assert type(worker.engine).__name__ == "PPOCriticEngine"
+    expected = reference(model_dir, data, mini_batch_size=4)
+    torch.testing.assert_close(infer_values(worker, data), expected["values"], **VALUES)
+    metrics = train(worker, data, mini_batch_size=4)
+    assert rel_change(engine_params(worker), expected["after"], expected["before"]) <= LAYOUT
+    assert len(metrics["grad_norm"]) == 2 and all(torch.isfinite(torch.tensor(metrics["grad_norm"])))
+    assert {"critic/vf_loss", "critic/vf_clipfrac", "loss", "lr"} <= metrics.keys()
+    after = infer_values(worker, data)
+    torch.testing.assert_close(after, expected["values_after"], **VALUES)
+    worker.save_checkpoint(str(tmp_path / "global_step_1" / "critic"), global_step=1)
+    fresh = training_worker(model_dir, **SGD, **batching, **{"model.use_remove_padding": packed})
+    fresh.load_checkpoint(str(tmp_path / "global_step_1" / "critic"))
+    assert torch.equal(infer_values(fresh, data), after)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_loss_mode_through_verls_loss(single_process, model_dir, mode):
+    """verl's value_loss with the engine's global denominators gives ppo-critic's own update in each mode."""
+    data = rollout(8, seed=2)
+    worker = training_worker(model_dir, **SGD, loss_agg_mode=mode, **{"+fsdp.micro_batch_size_per_gpu": 1})
+    expected = reference(model_dir, data, mini_batch_size=8, loss_agg_mode=mode, ppo_micro_batch_size_per_gpu=4)
+    train(worker, data, mini_batch_size=8)
+    assert rel_change(engine_params(worker), expected["after"], expected["before"]) <= LAYOUT
+
+
+def test_moving_average_values_in_eval_mode(single_process, model_dir, monkeypatch):
+    monkeypatch.setenv(OPTIONS_ENV, "ema_decay=0.5")
+    data = rollout(8, seed=3)
+    worker = training_worker(model_dir, **SGD)
+    expected = reference(model_dir, data, mini_batch_size=4, ema_decay=0.5)
+    train(worker, data, mini_batch_size=4)
+    torch.testing.assert_close(infer_values(worker, data), expected["values_after"], **VALUES)
+    assert not torch.allclose(infer_values(worker, data), expected["values"])
+
+
+def test_keeps_the_newest_checkpoints_it_wrote(single_process, model_dir, tmp_path):
+    worker = training_worker(model_dir, **SGD)
+    for step in (1, 2, 3):
+        worker.save_checkpoint(str(tmp_path / f"global_step_{step}" / "critic"), global_step=step, max_ckpt_to_keep=2)
+    kept = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("global_step_*/critic/step_*"))
+    assert kept == ["global_step_2/critic/step_00000002", "global_step_3/critic/step_00000003"]
