@@ -73,7 +73,9 @@ def install() -> None:
     if version is not None and not version.startswith(TESTED_VERL + "."):
         raise ImportError(
             f"ppo_critic.integrations.verl implements verl {TESTED_VERL}.x's critic API (DataParallelPPOCritic / "
-            f"MegatronPPOCritic in verl.workers.critic); the installed verl is {version}. Install verl=={TESTED_VERL}.*"
+            f"MegatronPPOCritic in verl.workers.critic); the installed verl is {version}. With verl >= 0.9 set "
+            "critic.strategy=ppo_critic instead (ppo-critic's engine plugin loads with verl); or install "
+            f"verl=={TESTED_VERL}.*"
         )
     if not _INSTALLED:
         for name in PATCHES:

@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 from verl.utils import tensordict_utils as tu
+from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 
 from ppo_critic.batch import Batch
@@ -170,7 +171,7 @@ class PPOCriticEngine(BaseEngine):
         groups = critic._micro_batches(batch, dynamic, int(micro), int(budget))
         rows_out: dict[int, Tensor] = {}
         losses: list[float] = []
-        metrics: dict[str, list] = {}
+        metrics: dict[str, Any] = {}
         for rows in groups:
             real = bool(rows)
             rows = rows or [0]  # an empty group runs with zero weight, so every DP rank runs as many
@@ -188,8 +189,7 @@ class PPOCriticEngine(BaseEngine):
                         loss.backward()
                 if real:
                     losses.append(float(loss.detach()))
-                    for key, value in micro_metrics.items():
-                        metrics.setdefault(key, []).append(value)
+                    append_to_dict(metrics, micro_metrics)  # verl's collection: a Metric gathers its values
             if real:
                 rows_out.update(zip(rows, values.detach().unbind(), strict=True))
         ordered = [rows_out[i] for i in range(len(batch))]
