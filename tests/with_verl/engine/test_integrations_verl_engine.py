@@ -137,6 +137,19 @@ def test_moving_average_values_in_eval_mode(single_process, model_dir, monkeypat
     assert not torch.allclose(infer_values(worker, data), expected["values"])
 
 
+def test_a_non_finite_step_is_skipped(single_process, model_dir):
+    """Returns that overflow make the loss and gradient infinite: the step is skipped (NaN grad_norm), the weights
+    stay, and the next batch trains."""
+    data = rollout(4, seed=4)
+    worker = training_worker(model_dir, **SGD)
+    before = engine_params(worker)
+    data.batch["returns"] = torch.full_like(data.batch["returns"], 3e38)
+    metrics = train(worker, data, mini_batch_size=4)
+    assert not math.isfinite(metrics["grad_norm"][0])
+    assert all(torch.equal(v, before[k]) for k, v in engine_params(worker).items())
+    assert math.isfinite(train(worker, rollout(4, seed=5), mini_batch_size=4)["grad_norm"][0])
+
+
 def test_keeps_the_newest_checkpoints_it_wrote(single_process, model_dir, tmp_path):
     worker = training_worker(model_dir, **SGD)
     for step in (1, 2, 3):
