@@ -13,8 +13,6 @@ Needs verl 0.9.x (`bash tests/with_verl/run.sh 0.9.1` builds such an environment
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import tempfile
 from functools import partial
@@ -28,19 +26,14 @@ if not torch.cuda.is_available():  # verl knows no CPU platform: the test suite'
 
 import verl
 from hydra import compose, initialize_config_dir
-from tensordict import TensorDict
-from tiny_critic import tiny_critic_dir
 from verl import DataProto
-from verl.trainer.ppo.core_algos import compute_gae_advantage_return
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.metric import reduce_metrics
 from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
 from verl.workers.utils.losses import value_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
-
-from ppo_critic.algos import explained_variance
-from ppo_critic.tasks import CountingTask, CountingTaskConfig
+from verl_common import counting_task, critic_loop, example_args, init_single_process, tiny_critic_dir
 
 
 def critic_worker(model_dir: Path, steps: int) -> TrainingWorker:
@@ -94,45 +87,18 @@ def update(worker: TrainingWorker, data: DataProto, mini_batch_size: int) -> dic
     return reduce_metrics(tu.get(worker.train_mini_batch(batch), "metrics"))  # as verl's trainer does
 
 
-def to_data_proto(batch: dict[str, torch.Tensor]) -> DataProto:
-    r = batch["responses"].shape[1]
-    tensors = {**batch, "prompts": batch["input_ids"][:, :-r], "response_mask": batch["attention_mask"][:, -r:]}
-    return DataProto(batch=TensorDict(tensors, batch_size=[len(batch["input_ids"])]))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--model", type=Path, help="an HF critic checkpoint (default: a tiny random one)")
-    parser.add_argument("--lam", type=float, default=0.5, help="GAE lambda of the critic's returns")
-    parser.add_argument("--options", default="ema_decay=0.9", help="ppo-critic's own options for the engine")
-    args = parser.parse_args()
-    os.environ["PPO_CRITIC_OPTIONS"] = args.options  # read when verl's worker builds the engine
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)  # what verl's Ray worker group sets for each worker
-    os.environ.setdefault("MASTER_PORT", "29512")
-    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    task = CountingTask(CountingTaskConfig(num_targets=2, max_response_len=12))
+    args = example_args(__doc__.splitlines()[0])
+    init_single_process(port=29512)
     with tempfile.TemporaryDirectory() as tmp:
-        worker = critic_worker(args.model or tiny_critic_dir(Path(tmp), task.vocab_size), args.steps)
+        worker = critic_worker(args.model or tiny_critic_dir(Path(tmp), counting_task().vocab_size), args.steps)
         print(f"verl's TrainingWorker runs {type(worker.engine).__module__}.{type(worker.engine).__name__}")
-        generator = torch.Generator().manual_seed(0)
-        held_out = task.sample(256, generator)
-        for step in range(1, args.steps + 1):
-            batch = task.sample(64, generator)
-            data = to_data_proto(batch)
-            values = values_of(worker, data)
-            mask = data.batch["response_mask"]
-            _, returns = compute_gae_advantage_return(batch["token_level_rewards"], values, mask, 1.0, args.lam)
-            data.batch["values"], data.batch["returns"] = values, returns
-            metrics = update(worker, data, mini_batch_size=32)
-            if step == 1 or step % 10 == 0 or step == args.steps:
-                shown = {k: round(float(v), 4) for k, v in sorted(metrics.items()) if not k.startswith("perf/")}
-                print(f"step {step}: {shown}")
-        mask = held_out["attention_mask"][:, -held_out["responses"].shape[1] :]
-        predicted = values_of(worker, to_data_proto(held_out))
-        ev = explained_variance(predicted, task.true_values(held_out), mask)
-        print(f"explained variance of the true values on {len(mask)} held-out rollouts: {float(ev):.3f}")
+        critic_loop(
+            values_of=lambda data: values_of(worker, data),
+            update=lambda data: update(worker, data, mini_batch_size=32),
+            steps=args.steps,
+            lam=args.lam,
+        )
     torch.distributed.destroy_process_group()
 
 

@@ -4,8 +4,8 @@ verl's trainer hands `config.critic` (its dataclass) to `verl.workers.fsdp_worke
 `VERL_USE_EXTERNAL_MODULES=ppo_critic.integrations.verl` set, that worker builds ppo-critic's critic. This script
 does what the trainer does for the critic, in one process (where importing the module is the same as the
 variable): build the worker from verl's composed config, then per step compute values, GAE returns (verl's own
-function) and one critic update. The rollouts come from ppo-critic's
-counting task, whose true values are known, so the last line says how much of them the critic explains.
+function) and one critic update. The rollouts come from ppo-critic's counting task, whose true values are known, so
+the last line says how much of them the critic explains.
 
 Needs verl 0.7.x (`bash tests/with_verl/run.sh 0.7.1` builds such an environment in .venv-verl-0.7.1):
     .venv-verl-0.7.1/bin/python examples/verl_ppo.py [--steps N] [--model HF_DIR] [--options "ema_decay=0.9"]
@@ -13,8 +13,6 @@ Needs verl 0.7.x (`bash tests/with_verl/run.sh 0.7.1` builds such an environment
 
 from __future__ import annotations
 
-import argparse
-import os
 import tempfile
 from pathlib import Path
 from unittest import mock
@@ -22,17 +20,12 @@ from unittest import mock
 import torch
 import verl
 from hydra import compose, initialize_config_dir
-from tensordict import TensorDict
-from tiny_critic import tiny_critic_dir
-from verl import DataProto
-from verl.trainer.ppo.core_algos import compute_gae_advantage_return
 from verl.trainer.ppo.metric_utils import reduce_metrics
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.fsdp_workers import CriticWorker
+from verl_common import counting_task, critic_loop, example_args, init_single_process, tiny_critic_dir
 
 import ppo_critic.integrations.verl  # noqa: F401 - what VERL_USE_EXTERNAL_MODULES does in each of verl's processes
-from ppo_critic.algos import explained_variance
-from ppo_critic.tasks import CountingTask, CountingTaskConfig
 
 
 def critic_config(model_dir: Path, steps: int):
@@ -77,54 +70,23 @@ def cpu_shims() -> list:
     ]
 
 
-def to_data_proto(batch: dict[str, torch.Tensor]) -> DataProto:
-    response_mask = batch["attention_mask"][:, -batch["responses"].shape[1] :].float()
-    tensors = {**batch, "response_mask": response_mask}
-    meta = {"global_token_num": batch["attention_mask"].sum(-1).tolist()}
-    return DataProto(batch=TensorDict(tensors, batch_size=[len(response_mask)]), meta_info=meta)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--model", type=Path, help="an HF critic checkpoint (default: a tiny random one)")
-    parser.add_argument("--lam", type=float, default=0.5, help="GAE lambda of the critic's returns")
-    parser.add_argument(
-        "--options", default="ema_decay=0.9", help="ppo-critic's own options for the critics verl builds"
-    )
-    args = parser.parse_args()
-    os.environ["PPO_CRITIC_OPTIONS"] = args.options  # read when verl's worker constructs the critic
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)  # what verl's Ray worker group sets for each worker
-    os.environ.setdefault("MASTER_PORT", "29511")
-    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    task = CountingTask(CountingTaskConfig(num_targets=2, max_response_len=12))
+    args = example_args(__doc__.splitlines()[0])
+    init_single_process(port=29511)
     shims = cpu_shims()
     for shim in shims:
         shim.start()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or tiny_critic_dir(Path(tmp), task.vocab_size)
+        model_dir = args.model or tiny_critic_dir(Path(tmp), counting_task().vocab_size)
         worker = CriticWorker(critic_config(model_dir, args.steps))
         worker.init_model()
         print(f"verl's CriticWorker runs {type(worker.critic).__module__}.{type(worker.critic).__name__}")
-        generator = torch.Generator().manual_seed(0)
-        held_out = task.sample(256, generator)
-        for step in range(1, args.steps + 1):
-            batch = task.sample(64, generator)
-            data = to_data_proto(batch)
-            values = worker.compute_values(data).batch["values"]
-            _, returns = compute_gae_advantage_return(
-                batch["token_level_rewards"], values, data.batch["response_mask"], gamma=1.0, lam=args.lam
-            )
-            data.batch["values"], data.batch["returns"] = values, returns
-            metrics = reduce_metrics(worker.update_critic(data).meta_info["metrics"])
-            if step == 1 or step % 10 == 0 or step == args.steps:
-                shown = {k: round(float(v), 4) for k, v in sorted(metrics.items()) if k.startswith("critic/")}
-                print(f"step {step}: {shown}")
-        mask = held_out["attention_mask"][:, -held_out["responses"].shape[1] :]
-        predicted = worker.compute_values(to_data_proto(held_out)).batch["values"]
-        ev = explained_variance(predicted, task.true_values(held_out), mask)
-        print(f"explained variance of the true values on {len(mask)} held-out rollouts: {float(ev):.3f}")
+        critic_loop(
+            values_of=lambda data: worker.compute_values(data).batch["values"],
+            update=lambda data: reduce_metrics(worker.update_critic(data).meta_info["metrics"]),
+            steps=args.steps,
+            lam=args.lam,
+        )
     for shim in shims:
         shim.stop()
     torch.distributed.destroy_process_group()

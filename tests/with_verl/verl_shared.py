@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -22,7 +24,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def save_tiny_critic(path: Path) -> Path:
     """The examples' tiny random critic (Qwen2 token classification + a word-level tokenizer) in `path`."""
-    spec = importlib.util.spec_from_file_location("tiny_critic", EXAMPLES / "tiny_critic.py")
+    spec = importlib.util.spec_from_file_location("verl_common", EXAMPLES / "verl_common.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.tiny_critic_dir(path, VOCAB)
@@ -84,3 +86,19 @@ def rel_change(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], before: d
     da = torch.cat([(a[k] - before[k]).flatten().double() for k in before])
     db = torch.cat([(b[k] - before[k]).flatten().double() for k in before])
     return float((da - db).norm() / db.norm())
+
+
+def run_example(name: str, runs: str) -> list[str]:
+    """`examples/<name> --steps 3` in a fresh process: it must say that verl runs `runs` (the critic or engine class),
+    print verl's metrics at steps 1 and 3 and end with the explained variance of the true values; its lines."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(29600 + os.getpid() % 300)}
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), "--steps", "3"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = run.stdout.splitlines()  # verl prints lines of its own in between
+    assert any(line.endswith(f" runs {runs}") for line in lines), lines
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [s.split(":")[0] for s in steps] == ["step 1", "step 3"]
+    assert lines[-1].startswith("explained variance of the true values on 256 held-out rollouts: ")
+    return steps
