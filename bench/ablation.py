@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ppo_critic.cli import load_config
+from ppo_critic.files import write_file
 from ppo_critic.tasks import CountingTask
 from ppo_critic.train import DEFAULT_MODEL, TrainConfig, train
 
@@ -305,14 +306,14 @@ def main() -> None:
         merged = [r for f in files for r in f.get("results", [])]
         merged.sort(key=lambda r: order.index(r["config"]) if r["config"] in order else len(order))
         timing = {k: v for f in files for k, v in f.get("timing", {}).items()}
-        out.write_text(json.dumps({"results": merged, "timing": timing, "configs": CONFIGS}, indent=1))
-        out.with_suffix(".md").write_text(table(merged, targets, timing) + "\n")
+        write_file(out, json.dumps({"results": merged, "timing": timing, "configs": CONFIGS}, indent=1))
+        write_file(out.with_suffix(".md"), table(merged, targets, timing) + "\n")
         print(table(merged, targets, timing))
         return
     if args.timing_steps:
         overrides = {name: _with_reward_model(name, 0, args, out) for name in args.only}
         timing = seconds_per_step(args.only, overrides, args.timing_steps, args.timing_rounds)
-        out.write_text(json.dumps({"timing": timing, "timing_steps": args.timing_steps}, indent=1))
+        write_file(out, json.dumps({"timing": timing, "timing_steps": args.timing_steps}, indent=1))
         print(json.dumps(timing, indent=1))
         return
     results = json.loads(out.read_text())["results"] if out.exists() else []
@@ -332,8 +333,8 @@ def main() -> None:
                 "python": platform.python_version(),
                 "threads": torch.get_num_threads(),
             }
-            out.write_text(json.dumps({"meta": meta, "configs": CONFIGS, "results": results}, indent=1))
-            out.with_suffix(".md").write_text(table(results, tuple(args.table_targets)) + "\n")
+            write_file(out, json.dumps({"meta": meta, "configs": CONFIGS, "results": results}, indent=1))
+            write_file(out.with_suffix(".md"), table(results, tuple(args.table_targets)) + "\n")
             print(
                 f"{name} seed={seed}: steps to {args.target}={result['steps_to_target']} "
                 f"best={result['best_ev']:.3f} final={result['final_ev']:.3f} train_s={result['train_s']:.0f}",

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_critic import DataParallelPPOCritic, build_value_model
+from ppo_critic.files import write_file
 from ppo_critic.parallel.fsdp import parallelize
 from ppo_critic.parallel.mesh import init_distributed
 
@@ -78,8 +79,7 @@ def main() -> None:
     if not distributed or dist.get_rank() == 0:
         print(json.dumps(result))
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f)
+            write_file(args.out, json.dumps(result))
 
 
 if __name__ == "__main__":

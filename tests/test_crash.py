@@ -221,10 +221,12 @@ def test_sigkill_while_checkpointing_resumes_bit_identically(crash_runs, point):
     if point == "shard-written":
         assert any(n.endswith(".distcp") for n in tmp) and ".metadata" not in tmp, after
     elif point == "state-file":
-        assert any(n.startswith(f".{ckpt.STATE_FILE}.tmp-") for n in tmp) and ckpt.STATE_FILE not in tmp, after
+        assert any(n.startswith(f".{ckpt.STATE_FILE}.") and n.endswith(".tmp") for n in tmp), after
+        assert ckpt.STATE_FILE not in tmp and ckpt.MANIFEST not in tmp, after
     elif point in ("renamed", "latest-file"):
         assert "step_00000003" in after["names"] and after["latest"] == "step_00000002", after
-        assert any(n.startswith(".latest.tmp-") for n in after["names"]) == (point == "latest-file"), after
+        temporary = any(n.startswith(".latest.") and n.endswith(".tmp") for n in after["names"])
+        assert temporary == (point == "latest-file"), after
     elif point == "cleanup":
         assert "step_00000001" not in after["names"], after  # renamed away before its files were deleted
         assert any(n.startswith(".del-step_00000001") for n in hidden), after
@@ -281,14 +283,14 @@ def assert_loads_as(path: Path, digest: str) -> None:
 
 def test_read_only_file_system_while_writing_state_keeps_the_previous_checkpoint(tmp_path, saved_worker, monkeypatch):
     worker, digest = saved_worker
-    write_text = ckpt._write_text
+    write_file = ckpt.write_file
 
     def read_only(path, text):
         if path.name == ckpt.STATE_FILE:
             raise OSError(errno.EROFS, "Read-only file system", str(path))
-        write_text(path, text)
+        write_file(path, text)
 
-    monkeypatch.setattr(ckpt, "_write_text", read_only)
+    monkeypatch.setattr(ckpt, "write_file", read_only)
     with pytest.raises(OSError) as info:
         worker.save_checkpoint(tmp_path, keep_last_n=2)
     assert info.value.errno == errno.EROFS
@@ -304,14 +306,14 @@ def test_read_only_file_system_while_writing_state_keeps_the_previous_checkpoint
 def test_disk_full_while_updating_latest_keeps_both_checkpoints(tmp_path, saved_worker, monkeypatch):
     worker, digest = saved_worker
     after = state_hash(worker.model, worker.optimizer)
-    write_text = ckpt._write_text
+    write_file = ckpt.write_file
 
     def disk_full(path, text):
         if path.name == ckpt.LATEST:
             raise OSError(errno.ENOSPC, "No space left on device")
-        write_text(path, text)
+        write_file(path, text)
 
-    monkeypatch.setattr(ckpt, "_write_text", disk_full)
+    monkeypatch.setattr(ckpt, "write_file", disk_full)
     with pytest.raises(OSError, match="No space left on device") as info:
         worker.save_checkpoint(tmp_path, keep_last_n=2)
     assert str(info.value).startswith(
@@ -383,12 +385,18 @@ def checkpoint(tmp_path):
     return worker, worker.save_checkpoint(tmp_path / "ckpts")
 
 
+def restamp(path: Path) -> None:
+    """A manifest that matches the checkpoint's files as they are now."""
+    (path / ckpt.MANIFEST).write_text(json.dumps(ckpt._hashes(path)))
+
+
 def test_code_in_checkpoint_metadata_is_not_executed(tmp_path, checkpoint):
     worker, path = checkpoint
     marker = tmp_path / "pwned"
     evil = pickle.dumps(Payload(marker))
     assert payload_runs(marker, lambda: pickle.loads(evil))  # the payload is live
     (path / ".metadata").write_bytes(evil)
+    restamp(path)  # an attacker rewrites the manifest too: the manifest guards against damage, not against intent
     before = state_hash(worker.model, worker.optimizer)
     with pytest.raises(ValueError, match=r"is not plain DCP checkpoint metadata \(global 'io.open' is not allowed"):
         load_checkpoint(path, worker.model, worker.optimizer, {})
@@ -416,6 +424,7 @@ def test_code_in_a_non_tensor_checkpoint_entry_is_not_executed(tmp_path, checkpo
     )
     with open(path / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
+    restamp(path)
     before = state_hash(worker.model, worker.optimizer)
     with pytest.raises(ValueError, match="UnpicklingError") as info:
         load_checkpoint(path, worker.model, worker.optimizer, {})

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ppo_critic.config import from_mapping
+from ppo_critic.files import write_file
 from ppo_critic.parallel.mesh import resolve_device
 from ppo_critic.perf import peak_memory_gb
 
@@ -242,8 +243,7 @@ def main(overrides: list[str]) -> dict[str, Any]:
     summary = run(cfg)
     print(report(summary))
     if cfg.out:
-        with open(cfg.out, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_file(cfg.out, json.dumps(summary, indent=1))
     return summary
 
 

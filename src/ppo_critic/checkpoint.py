@@ -1,8 +1,10 @@
-"""Checkpoints with `torch.distributed.checkpoint` (DCP), written atomically; HF export.
+"""Checkpoints with `torch.distributed.checkpoint` (DCP), written atomically and verified on load; HF export.
 
 A checkpoint is written to a hidden temporary directory and renamed to `step_XXXXXXXX` only when complete, then
 the `latest` marker is replaced; old checkpoints are renamed away before they are deleted. A crash at any point
 leaves the previous checkpoints usable, and `latest_checkpoint` never returns a half-written or half-deleted one.
+Each checkpoint ends with `manifest.json`, a content hash of every file in it (written last); loading checks it
+first and names the file that differs, so a damaged shard never loads.
 
 Loading executes no code from the files: DCP's `.metadata` pickle is read by an unpickler that only builds DCP's
 own metadata classes, the non-tensor entries (optimizer hyper-parameters) with `torch.load(weights_only=True)`,
@@ -12,6 +14,7 @@ tensors by DCP with `weights_only=True`, and our own state from JSON.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -20,7 +23,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +34,12 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ppo_critic.files import explained_os_error, fsync_dir, new_directory, write_file
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
+INTACT = "; the previous checkpoints are intact"
 LATEST = "latest"
 METADATA = ".metadata"
 _TMP_PREFIX = ".tmp-step_"  # a checkpoint being written
@@ -69,21 +76,23 @@ def save_checkpoint(
 def save_state_dicts(
     root: str | os.PathLike, step: int, state_dict: dict[str, Any], state: dict[str, Any], keep_last_n: int | None
 ) -> Path:
-    """Write a (DCP) `state_dict` and a JSON `state` atomically as `root/step_<step>`; keep the newest n."""
+    """Write a (DCP) `state_dict`, a JSON `state` and the manifest atomically as `root/step_<step>`; keep the newest
+    `keep_last_n` by step (never the one just written)."""
     root, lead = Path(root), _rank() <= 0
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}"  # one name on every rank (DCP writes a shard per rank into it)
     if lead:
-        with _explained_os_error(f"cannot create the checkpoint directory {root}"):
+        with explained_os_error(f"cannot create the checkpoint directory {root}"):
             root.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(root)  # temporary and half-deleted directories left by a crash
     _barrier()
     try:
-        with _explained_os_error(f"writing checkpoint {final} failed"), _single_process_ok():
-            dcp.save(state_dict, checkpoint_id=str(tmp))
+        with explained_os_error(f"writing checkpoint {final} failed", INTACT, root), _single_process_ok():
+            with _dcp_errors_as_os_errors():
+                dcp.save(state_dict, checkpoint_id=str(tmp))
             if lead:
-                _write_text(tmp / STATE_FILE, json.dumps({"step": step, **state}, indent=1))
-                _fsync_dir(tmp)
+                write_file(tmp / STATE_FILE, json.dumps({"step": step, **state}, indent=1))
+                write_file(tmp / MANIFEST, json.dumps(_hashes(tmp), indent=1))  # last: it vouches for the rest
                 if final.exists():  # the same step saved again after a resume: replace it whole
                     delete_checkpoint(final)
                 os.rename(tmp, final)
@@ -92,17 +101,83 @@ def save_state_dicts(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if lead:
-        with _explained_os_error(f"checkpoint {final} is complete, but updating {root / LATEST} failed"):
-            _fsync_dir(root)
-            _write_text(root / LATEST, final.name + "\n")
+        with explained_os_error(f"checkpoint {final} is complete, but updating {root / LATEST} failed"):
+            fsync_dir(root)
+            write_file(root / LATEST, final.name + "\n")
         if keep_last_n:
             for old in _complete_steps(root)[:-keep_last_n]:
+                if old == final:
+                    continue
                 try:
                     delete_checkpoint(old)
                 except OSError as err:  # the new checkpoint is saved; an old one that stays is no reason to stop
                     warnings.warn(f"could not delete old checkpoint {old}: {err}", stacklevel=2)
     _barrier()
     return final
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Check every file of a checkpoint against its manifest; raise ValueError naming the first that differs (or is
+    missing, or was added). Under torchrun the first rank reads the files and tells the others."""
+    problem = _manifest_problem(Path(path)) if _rank() <= 0 else None
+    if _rank() >= 0:
+        import torch.distributed as dist
+
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        raise ValueError(f"checkpoint {path} is damaged: {problem}")
+
+
+def _manifest_problem(path: Path) -> str | None:
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        if (path / METADATA).is_file():  # written before checkpoints carried manifests: nothing to check against
+            warnings.warn(
+                f"checkpoint {path} has no {MANIFEST} (an older ppo-critic wrote it): not verified", stacklevel=3
+            )
+            return None
+        return f"{MANIFEST} is missing"
+    try:
+        expected = json.loads(manifest.read_text())
+    except (OSError, ValueError) as err:
+        return f"{MANIFEST} cannot be read ({err})"
+    actual = _hashes(path)
+    for name in sorted(expected.keys() | actual.keys()):
+        if name not in actual:
+            return f"{name} is missing"
+        if name not in expected:
+            return f"{name} is not in {MANIFEST}"
+        if actual[name] != expected[name]:
+            return f"{name} does not match its content hash in {MANIFEST} (bit rot, or a partial copy)"
+    return None
+
+
+def _hashes(path: Path) -> dict[str, str]:
+    """A content hash (BLAKE2b-128) of every file in a checkpoint directory but the manifest, by relative path."""
+    out = {}
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
+        digest = hashlib.blake2b(digest_size=16)
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+        out[file.relative_to(path).as_posix()] = digest.hexdigest()
+    return out
+
+
+@contextlib.contextmanager
+def _dcp_errors_as_os_errors() -> Iterator[None]:
+    """DCP wraps a rank's write failure in a CheckpointException: surface the error inside (an OSError such as a
+    full disk or a read-only file system, or the library's own), so it is reported like any other failed write."""
+    try:
+        yield
+    except CheckpointException as err:
+        causes = _causes(err)
+        for cause in sorted(causes, key=lambda c: not isinstance(c, OSError)):
+            if isinstance(cause, OSError | RuntimeError | ValueError):
+                raise cause from err
+        raise
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -112,14 +187,21 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor]
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tensors: dict[str, Tensor],
+    check_state: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Restore model and optimizer in place; return the saved `tensors` (shaped like the templates) and state."""
+    """Restore model and optimizer in place; return the saved `tensors` (shaped like the templates) and state.
+
+    Nothing changes unless the files verify against the manifest and `check_state(state)` accepts the JSON state.
+    """
     fresh_optimizer = not optimizer.state
     model_sd, optim_sd = get_state_dict(model, optimizer)  # a fresh optimizer gets zero state (one lr=0 step)
     state_dict = {"model": model_sd, "optim": optim_sd, "extra": dict(tensors)}
     try:
-        state = load_state_dicts(path, state_dict)
+        state = load_state_dicts(path, state_dict, check_state)
     except Exception:  # incomplete, unsafe or mismatching checkpoint
         if fresh_optimizer:  # nothing was loaded into it: make it fresh again
             optimizer.state.clear()
@@ -131,17 +213,35 @@ def load_checkpoint(
 
 
 def read_state(path: str | os.PathLike) -> dict[str, Any]:
-    """The JSON state of a complete checkpoint (raises FileNotFoundError for an incomplete one)."""
+    """The JSON state of a complete checkpoint (FileNotFoundError for an incomplete one, ValueError for a damaged
+    one)."""
+    path = _complete(path)
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except ValueError as err:
+        raise ValueError(f"{path / STATE_FILE} is not valid JSON ({err}); the checkpoint is damaged") from err
+    if not isinstance(state, dict):
+        raise ValueError(f"{path / STATE_FILE} does not hold a JSON object; the checkpoint is damaged")
+    return state
+
+
+def _complete(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not (path / METADATA).is_file() or not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (missing {METADATA} or {STATE_FILE})")
-    return json.loads((path / STATE_FILE).read_text())
+    return path
 
 
-def load_state_dicts(path: str | os.PathLike, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Load a checkpoint into `state_dict` (templates, filled in place) and return its JSON state."""
-    path = Path(path)
+def load_state_dicts(
+    path: str | os.PathLike, state_dict: dict[str, Any], check_state: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Load a checkpoint into `state_dict` (templates, filled in place) and return its JSON state — after the files
+    verify and `check_state(state)` accepts it, so a refused checkpoint changes nothing."""
+    path = _complete(path)
+    verify_checkpoint(path)
     state = read_state(path)
+    if check_state is not None:
+        check_state(state)
     check_metadata(path / METADATA)
     try:
         with _single_process_ok():
@@ -149,8 +249,8 @@ def load_state_dicts(path: str | os.PathLike, state_dict: dict[str, Any]) -> dic
     except CheckpointException as err:
         causes = "; ".join(f"{type(e).__name__}: {e}" for e in _causes(err)) or str(err)
         raise ValueError(
-            f"cannot load checkpoint {path} into this model and optimizer ({causes}); the checkpoint is damaged, or "
-            "was written with another critic.model / critic.optim config (or, with megatron, another layout)"
+            f"cannot load checkpoint {path} into this model and optimizer ({causes}); it was written with another "
+            "critic.model / critic.optim config (or, with megatron, another layout)"
         ) from err
     return state
 
@@ -227,11 +327,15 @@ def _causes(err: CheckpointException) -> list[BaseException]:
     return [f[0] if isinstance(f, tuple) else f for f in failures.values() if isinstance(f, (tuple, BaseException))]
 
 
-def export_hf(model: nn.Module, out_dir: str | os.PathLike, state_dict: dict[str, Tensor] | None = None) -> Path:
+def export_hf(
+    model: nn.Module, out_dir: str | os.PathLike, state_dict: dict[str, Tensor] | None = None, replace: bool = False
+) -> Path:
     """Write safetensors + config loadable by transformers, atomically (a temp dir renamed into place).
 
-    `state_dict` (full, HF names) replaces the model's own weights, e.g. gathered from megatron shards; `model`
-    then only provides the architecture and may live on the meta device.
+    `out_dir` must not exist or be empty — unless `replace`, which the trainer uses for the `hf/` export it wrote
+    itself: the old export is swapped out, and deleted only once the new one is in place. `state_dict` (full, HF
+    names) replaces the model's own weights, e.g. gathered from megatron shards; `model` then only provides the
+    architecture and may live on the meta device.
 
     Token-classification critics load with `AutoModelForTokenClassification.from_pretrained(out_dir)`. A generic
     critic (backbone + head) is saved as the backbone plus `value_head.safetensors`; load it with
@@ -250,27 +354,27 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, state_dict: dict[str
         _barrier()
         return out
     model = getattr(model, "module", model)  # DDP / FSDP1
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
-    try:
-        if isinstance(model, ValueModel):
-            backbone = {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
-            model.model.save_pretrained(tmp, state_dict=backbone, safe_serialization=True)
-            head = {k: v.detach().contiguous().cpu() for k, v in full.items() if k.startswith("score.")}
-            save_file(head, str(tmp / VALUE_HEAD_FILE))
-        elif hasattr(model, "save_pretrained"):
-            model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
-        else:
-            raise TypeError(f"{type(model).__name__} is not a transformers model; HF export needs save_pretrained")
-        _fsync_dir(tmp)
+    if not isinstance(model, ValueModel) and not hasattr(model, "save_pretrained"):
+        raise TypeError(f"{type(model).__name__} is not a transformers model; HF export needs save_pretrained")
+    old = None
+    if replace and out.exists():
         old = out.parent / f".old-{out.name}-{uuid.uuid4().hex[:8]}"
-        if out.exists():
-            os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+    try:
+        with new_directory(out) as tmp:
+            if isinstance(model, ValueModel):
+                backbone = {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
+                model.model.save_pretrained(tmp, state_dict=backbone, safe_serialization=True)
+                head = {k: v.detach().contiguous().cpu() for k, v in full.items() if k.startswith("score.")}
+                save_file(head, str(tmp / VALUE_HEAD_FILE))
+            else:
+                model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            os.rename(old, out)  # the previous export is back in place
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return out
 
@@ -298,10 +402,11 @@ def _single_process_ok() -> Iterator[None]:
 
 
 def _complete_steps(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest step first (ordered by the step number, not the name)."""
     found = [
         p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / METADATA).is_file() and (p / STATE_FILE).is_file()
     ]
-    return sorted(found, key=lambda p: p.name)
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
 def delete_checkpoint(path: Path) -> None:
@@ -318,34 +423,3 @@ def _remove_leftovers(root: Path) -> None:
     for p in root.iterdir():
         if p.name.startswith((_TMP_PREFIX, _DEL_PREFIX)) and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _explained_os_error(what: str) -> Iterator[None]:
-    """Re-raise an OSError (disk full, read-only file system, permissions) with what was being written and the
-    reassurance that earlier checkpoints are untouched; errno and strerror are kept."""
-    try:
-        yield
-    except OSError as err:
-        if err.errno is None:
-            raise
-        where = f" ({err.filename})" if err.filename else ""
-        raise OSError(err.errno, f"{what}: {err.strerror}{where}; the previous checkpoints are intact") from err
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Write a small file atomically: temp file, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -7,13 +7,11 @@ is reported as ``<path>: row <n>: field '<name>' must be ..., got ...`` (for JSO
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import math
 import numbers
 import os
-import secrets
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ppo_critic.files import write_with
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 REWARD_FIELDS = ("token_level_rewards", "reward")
@@ -330,32 +330,9 @@ def _pad(
 
 def write_values(path: str | os.PathLike, values: Sequence[Sequence[float]]) -> None:
     """Atomically write one `{"row": i, "values": [...]}` row per input row as `.jsonl` or `.parquet`."""
-    name = os.fspath(path)
-    suffix = _suffix(name)
+    writer = _write_jsonl if _suffix(os.fspath(path)) == ".jsonl" else _write_parquet
     rows = _value_rows(values)
-    parent = os.path.dirname(os.path.abspath(name))
-    os.makedirs(parent, exist_ok=True)
-    tmp = _create_temp_file(parent, os.path.basename(name))
-    try:
-        (_write_jsonl if suffix == ".jsonl" else _write_parquet)(tmp, rows)
-        _fsync_file(tmp)
-        os.replace(tmp, name)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-    _fsync_dir(parent)
-
-
-def _create_temp_file(directory: str, base: str) -> str:
-    """A new empty file next to the target, created with the usual umask-derived mode (not mkstemp's 0600)."""
-    while True:
-        tmp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
-        try:
-            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
-        except FileExistsError:
-            continue
-        return tmp
+    write_with(path, lambda tmp: writer(str(tmp), rows))
 
 
 def _value_rows(values: Sequence[Sequence[float]]) -> list[list[float]]:
@@ -386,18 +363,3 @@ def _write_parquet(path: str, rows: list[list[float]]) -> None:
         }
     )
     pq.write_table(table, path)
-
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    """Make the rename durable where the platform allows opening a directory."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -8,17 +8,20 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ppo_critic.files import write_file, write_with
+
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 
 
 class RunLog:
-    """Appends one JSON line per step (and TensorBoard scalars); on resume, drops rows past the checkpoint."""
+    """Appends one JSON line per step, flushed to disk (and TensorBoard scalars); on resume, the rows past the
+    checkpoint are dropped (the file is rewritten atomically)."""
 
     def __init__(self, run_dir: str | os.PathLike, resume_step: int = 0, tensorboard: bool = True):
         self.path = Path(run_dir) / METRICS_FILE
         rows = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step else []
-        _write_lines(self.path, rows)
+        write_file(self.path, "".join(json.dumps(r) + "\n" for r in rows))
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -28,6 +31,8 @@ class RunLog:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
@@ -38,10 +43,21 @@ class RunLog:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of `metrics.jsonl`; a last line cut short by a crash (no newline) is not a row."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError as err:
+            raise ValueError(f"{path}:{number} is not a JSON row ({err}); fix or remove that line") from err
+    return rows
 
 
 def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> Path:
@@ -77,13 +93,6 @@ def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> 
         ax.grid(alpha=0.3)
         if len(keys) > 1 or title.startswith("explained"):
             ax.legend(loc="lower right")
-    out = Path(out_png)
-    fig.savefig(out, dpi=110)
+    out = write_with(out_png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return out
-
-
-def _write_lines(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)

@@ -1,0 +1,182 @@
+"""Durable writes and run-directory ownership: the one module through which ppo-critic writes a user's files.
+
+A file is produced under a temporary name in its directory, flushed and fsynced, renamed over the target, and the
+directory is fsynced: a crash, a kill or a full disk leaves the old file or the new one, never a torn one, and no
+temporary file behind. A directory (an export) is built the same way and renamed into place. A path that is in the
+way is moved aside, never deleted. `RunDirLock` gives a run directory one writer at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+LOCK_FILE = ".lock"
+_LOW_SPACE = 1 << 20  # a write that failed with less than this free on its file system failed for lack of space
+
+
+def write_file(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Atomically replace `path` with `data` (text is written as UTF-8)."""
+    payload = data.encode() if isinstance(data, str) else data
+    return write_with(path, lambda tmp: tmp.write_bytes(payload))
+
+
+def write_with(path: str | os.PathLike, produce: Callable[[Path], object]) -> Path:
+    """Atomically replace `path` with what `produce(tmp)` writes to the temporary path `tmp` (a library's own
+    writer: parquet, PNG, safetensors). Any failure removes `tmp` and leaves `path` as it was."""
+    path = Path(path)
+    parent = path.parent
+    with explained_os_error(f"cannot create the directory {parent}"):
+        parent.mkdir(parents=True, exist_ok=True)
+    tmp = _new_temp_file(parent, path.name)
+    try:
+        with explained_os_error(f"writing {path} failed", where=parent):
+            produce(tmp)
+            _fsync_file(tmp)
+            os.replace(tmp, path)
+            fsync_dir(parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    return path
+
+
+@contextlib.contextmanager
+def new_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory under a temporary name next to `path`; when the block succeeds it becomes `path` (which
+    must not exist, or be an empty directory), else it is removed. Yields the temporary directory."""
+    path = Path(path)
+    with explained_os_error(f"cannot create the directory {path.parent}"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{path.name}-{secrets.token_hex(4)}"
+    try:
+        with explained_os_error(f"writing {path} failed", where=path.parent):
+            tmp.mkdir()
+            yield tmp
+            for child in tmp.rglob("*"):
+                if child.is_file():
+                    _fsync_file(child)
+            fsync_dir(tmp)
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()  # an empty directory holds nothing to lose
+            os.rename(tmp, path)
+            fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def move_aside(path: str | os.PathLike) -> Path:
+    """Rename `path` to a free sibling `<name>.old-<time>` (nothing is deleted); returns the new name."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.old-{stamp}")
+    while target.exists():
+        target = path.with_name(f"{path.name}.old-{stamp}-{secrets.token_hex(2)}")
+    with explained_os_error(f"cannot move {path} aside"):
+        os.rename(path, target)
+        fsync_dir(path.parent)
+    return target
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def explained_os_error(what: str, keeps: str = "", where: str | os.PathLike | None = None) -> Iterator[None]:
+    """Re-raise a failed write as an OSError that says what was being written and what is intact (`keeps`). A
+    library error (not an OSError) on a file system with almost no space left is reported as ENOSPC."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno is None:
+            raise
+        place = f" ({err.filename})" if err.filename else ""
+        raise OSError(err.errno, f"{what}: {err.strerror}{place}{keeps}") from err
+    except (RuntimeError, ValueError) as err:  # e.g. torch.save's "unexpected pos" when the disk fills
+        if where is None or not _almost_full(where):
+            raise
+        raise OSError(errno.ENOSPC, f"{what}: no space left on the file system of {where}{keeps}") from err
+
+
+class RunDirLock:
+    """One writer per run directory: an exclusive `flock` on `<run_dir>/.lock`, which names the holder (pid, host,
+    start time). The lock goes with the process, however it ends; a second writer gets an error naming the first."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> RunDirLock:
+        with explained_os_error(f"cannot create the run directory {self.path.parent}"):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise OSError(
+                errno.EBUSY,
+                f"{self.path.parent} is in use by {holder}; wait for it to finish, or use another trainer.run_dir",
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _new_temp_file(directory: Path, base: str) -> Path:
+    """A new empty file next to the target, with the umask's usual mode (mkstemp's 0600 would stick)."""
+    while True:
+        tmp = directory / f".{base}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            continue
+        except OSError as err:
+            raise OSError(err.errno, f"cannot write in {directory}: {err.strerror}") from err
+        os.close(fd)
+        return tmp
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _almost_full(path: str | os.PathLike) -> bool:
+    try:
+        return shutil.disk_usage(path).free < _LOW_SPACE
+    except OSError:
+        return False
