@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from conftest import FakeDataProto, edited, make_batch, state_hash, tiny_config
 from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.cli import main
+from ppo_critic.files import LOCK_FILE
 from ppo_critic.train import train
 from ppo_critic.worker import CriticWorker, worker_config
 from test_train import SHORT, short_config
@@ -323,8 +324,10 @@ def trained_run(tmp_path_factory):
 
 
 def digest(run: Path, config: bool = True) -> dict[str, str]:
-    """Every file of a run directory (optionally without config.yaml) → its sha256."""
-    files = (p for p in sorted(run.rglob("*")) if p.is_file() and (config or p.name != "config.yaml"))
+    """Every file of a run directory (optionally without config.yaml) → its sha256; the lock file, which names
+    whichever command last held the directory, is not the run's content."""
+    kept = (p for p in sorted(run.rglob("*")) if p.is_file() and p.name != LOCK_FILE)
+    files = (p for p in kept if config or p.name != "config.yaml")
     return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
 
 
@@ -366,8 +369,8 @@ def _cli_cases(run: Path, tmp: Path) -> dict[str, tuple[list[str], str, bool]]:
         ),
         "resume-with-another-model-config": (
             ["train", *short, "critic.model.override_config.hidden_size=16"],
-            f"cannot load checkpoint {run / 'checkpoints' / 'step_00000004'} into this model and optimizer "
-            "(ValueError: Size mismatch between saved torch.Size([",
+            f"these options differ from the run being resumed in {run} (saved -> now): "
+            "critic.model.override_config: {'model_type': 'qwen2', 'hidden_size': 32,",
             False,
         ),
         "config-file-missing": (

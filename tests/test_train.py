@@ -71,7 +71,7 @@ def test_resume_is_bit_identical_and_ignores_incomplete_checkpoints(tmp_path, mo
         return original(*args)
 
     monkeypatch.setattr(train_mod, "_iteration", crash_on_third)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(train_mod.Interrupted, match=r"interrupted at step 2; .* resume from step 2 \("):
         train(short_config(resumed), out=io.StringIO())
     monkeypatch.setattr(train_mod, "_iteration", original)
     ckpts = resumed / "checkpoints"

@@ -105,7 +105,7 @@ def save_state_dicts(
             fsync_dir(root)
             write_file(root / LATEST, final.name + "\n")
         if keep_last_n:
-            for old in _complete_steps(root)[:-keep_last_n]:
+            for old in complete_checkpoints(root)[:-keep_last_n]:
                 if old == final:
                     continue
                 try:
@@ -114,6 +114,10 @@ def save_state_dicts(
                     warnings.warn(f"could not delete old checkpoint {old}: {err}", stacklevel=2)
     _barrier()
     return final
+
+
+class CheckpointDamaged(ValueError):
+    """A checkpoint whose files do not match its manifest (nothing was loaded from it)."""
 
 
 def verify_checkpoint(path: str | os.PathLike) -> None:
@@ -127,7 +131,7 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
         dist.broadcast_object_list(box, src=0)
         problem = box[0]
     if problem:
-        raise ValueError(f"checkpoint {path} is damaged: {problem}")
+        raise CheckpointDamaged(f"checkpoint {path} is damaged: {problem}")
 
 
 def _manifest_problem(path: Path) -> str | None:
@@ -182,7 +186,7 @@ def _dcp_errors_as_os_errors() -> Iterator[None]:
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under `root` (temporary and damaged directories are ignored)."""
-    steps = _complete_steps(Path(root)) if Path(root).is_dir() else []
+    steps = complete_checkpoints(root)
     return steps[-1] if steps else None
 
 
@@ -401,8 +405,11 @@ def _single_process_ok() -> Iterator[None]:
         yield
 
 
-def _complete_steps(root: Path) -> list[Path]:
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
     """Complete checkpoints under `root`, oldest step first (ordered by the step number, not the name)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
     found = [
         p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / METADATA).is_file() and (p / STATE_FILE).is_file()
     ]

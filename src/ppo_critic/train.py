@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -19,10 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ppo_critic import rundir
 from ppo_critic.algos import compute_gae_advantage_return, explained_variance, masked_mean
 from ppo_critic.checkpoint import latest_checkpoint
 from ppo_critic.config import CriticConfig, OptimConfig, from_mapping
-from ppo_critic.runlog import CURVES_FILE, RunLog, plot_curves
+from ppo_critic.files import write_file
+from ppo_critic.rundir import CHANGEABLE_ON_RESUME
+from ppo_critic.runlog import CURVES_FILE, METRICS_FILE, RunLog, plot_curves, read_metrics
 from ppo_critic.tasks import TASKS
 from ppo_critic.worker import CriticWorker, make_critic_worker
 
@@ -135,6 +139,7 @@ class TaskSource:
 
     def __init__(self, cfg: TrainConfig):
         name = cfg.task.get("name", "counting")
+        self.name = f"task {name}"
         self.task = TASKS[name][0](cfg.task_config())
         self.batch_size = cfg.trainer.rollout_batch_size
         self.generator = torch.Generator().manual_seed(cfg.trainer.seed)
@@ -147,7 +152,10 @@ class TaskSource:
         return self.task.sample(self.batch_size, self.generator)
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        return {"data/generator": self.generator.get_state()}, {}
+        return {"data/generator": self.generator.get_state()}, {"data_source": self.name}
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        _same_source(self.name, state)
 
     def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
         self.generator.set_state(tensors["data/generator"])
@@ -160,6 +168,7 @@ class FileSource:
         from ppo_critic.rollouts import collate, read_rollouts
 
         self.collate = collate
+        self.name = f"data={cfg.data}"
         self.rows = read_rollouts(cfg.data)
         self.batch_size = cfg.trainer.rollout_batch_size
         self.position = 0
@@ -172,10 +181,31 @@ class FileSource:
         return self.collate(rows)
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        return {}, {"data_position": self.position}
+        return {}, {"data_source": self.name, "data_position": self.position}
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        _same_source(self.name, state)
+        position = state.get("data_position")
+        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < len(self.rows):
+            raise ValueError(f"the checkpoint's data_position={position!r} is not a row of {self.name}")
 
     def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
         self.position = int(state["data_position"])
+
+
+def _same_source(name: str, state: dict[str, Any]) -> None:
+    """A run resumes on the rollouts it was trained on."""
+    saved = state.get("data_source")
+    if saved is None:  # older checkpoints tell only the kind of source (a file run saved its data_position)
+        from_file = "data_position" in state
+        if from_file == name.startswith("data="):
+            return
+        saved = "a data= file" if from_file else "a built-in task"
+    if saved != name:
+        raise ValueError(
+            f"the checkpoint was written by a run reading {saved}; this run reads {name}. Resume with the same "
+            "rollouts, or start a new run (another trainer.run_dir)"
+        )
 
 
 def resolve_model(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
@@ -216,35 +246,94 @@ def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float) -> di
 
 
 def train(
-    cfg: TrainConfig, out=sys.stdout, on_step: Callable[[int, dict[str, float], float], None] | None = None
+    cfg: TrainConfig,
+    out=sys.stdout,
+    on_step: Callable[[int, dict[str, float], float], None] | None = None,
+    overwrite: bool = False,
 ) -> dict[str, float]:
     """Run (or resume) the job in `cfg.trainer.run_dir`; returns the last metrics row.
 
-    Under torchrun every rank trains its share; the first rank alone writes files and prints. `on_step(step,
-    metrics, train_s)` is called after every step (benchmarks): `train_s` is the wall time spent in training
-    iterations so far in this call (rollouts, values, returns, update), without evaluation and checkpoints.
+    The run directory has one writer (a lock); a new run never starts over an existing one (`overwrite` moves it
+    aside); a resumed run starts from the newest checkpoint that verifies, with only the options of
+    `rundir.CHANGEABLE_ON_RESUME` allowed to differ from the saved ones. Under torchrun every rank trains its share;
+    the first rank alone writes files and prints. `on_step(step, metrics, train_s)` is called after every step
+    (benchmarks): `train_s` is the wall time spent in training iterations so far in this call.
     """
     from omegaconf import OmegaConf
 
     t = cfg.trainer
     run_dir = Path(t.run_dir)
-    ckpt_root = run_dir / "checkpoints"
     source = FileSource(cfg) if cfg.data else TaskSource(cfg)
     cfg = resolve_model(cfg, source.vocab_size)
     worker = make_worker(cfg)
     lead = worker.rank == 0
     out = out if lead else open(os.devnull, "w")  # noqa: SIM115 - closed with the process
-    resolved = OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict()))
-    if lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        print(resolved, file=out)
-    checkpoint = None if t.resume == "never" else latest_checkpoint(ckpt_root) if t.resume == "auto" else Path(t.resume)
-    if checkpoint is not None:
-        tensors, state = worker.load_checkpoint(checkpoint, source.state()[0])
-        source.load_state(tensors, state)
-        print(f"resumed from {checkpoint} at step {worker.step}", file=out)
-    if lead:  # after a successful resume only: a failed one leaves the run's config as it was
-        (run_dir / "config.yaml").write_text(resolved)
+    say = functools.partial(print, file=out)
+    lock = rundir.agree(lead, lambda: rundir.claim(run_dir, t.resume, overwrite, say))
+    try:
+        current = cfg.to_dict()
+        say(OmegaConf.to_yaml(OmegaConf.create(current)))
+        changeable = CHANGEABLE_ON_RESUME if cfg.critic.strategy != "megatron" else CHANGEABLE_ON_RESUME[:-1]
+        changes = {}
+        if t.resume != "never":  # options that cannot change mid-run are refused before anything loads
+            changes = rundir.agree(lead, lambda: rundir.option_changes(run_dir, current, changeable)) or {}
+        resumed = rundir.resume(run_dir / "checkpoints", t.resume, functools.partial(_load, worker, source), say)
+        if resumed is not None:
+            say(f"resumed from {resumed} at step {worker.step}")
+            if "critic.optim.lr" in changes:
+                worker.set_learning_rate(cfg.critic.optim.lr)
+            if changes:
+                say("options changed on resume: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+        if worker.step >= t.steps:
+            return _complete(run_dir, worker.step, say)
+        if lead:  # after a successful resume only: a refused or failed one leaves the run's files as they were
+            write_file(run_dir / rundir.CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(current)))
+            if resumed is not None and changes:
+                rundir.record_changes(run_dir, worker.step, changes)
+        return _loop(worker, source, cfg, run_dir, out, on_step)
+    except KeyboardInterrupt as interrupt:
+        newest = latest_checkpoint(run_dir / "checkpoints")
+        where = f"step {newest.name.split('_')[-1].lstrip('0') or 0} ({newest})" if newest else "the start"
+        raise Interrupted(
+            f"interrupted at step {worker.step}; nothing partial was saved. Run the same command to resume from {where}"
+        ) from interrupt
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C or SIGTERM during training: says which step a rerun resumes from."""
+
+
+def _load(worker: CriticWorker, source: TaskSource | FileSource, checkpoint: Path) -> Path:
+    """Load `checkpoint` into the worker and the rollout source (nothing changes unless both accept it)."""
+    tensors, state = worker.load_checkpoint(checkpoint, source.state()[0], check_state=source.check_state)
+    source.load_state(tensors, state)
+    return checkpoint
+
+
+def _complete(run_dir: Path, step: int, say: Callable[[str], None]) -> dict[str, float]:
+    """A run already at its last step: say so, with its final metrics; nothing is written."""
+    rows = read_metrics(run_dir / METRICS_FILE)
+    final = rows[-1] if rows else {}
+    summary = {k: round(v, 4) for k, v in final.items() if k.startswith(("eval/", "critic/vf_loss"))}
+    say(f"run complete at step {step}: {summary}")
+    return {k: v for k, v in final.items() if k != "step"}
+
+
+def _loop(
+    worker: CriticWorker,
+    source: TaskSource | FileSource,
+    cfg: TrainConfig,
+    run_dir: Path,
+    out: Any,
+    on_step: Callable[[int, dict[str, float], float], None] | None,
+) -> dict[str, float]:
+    """Steps from the worker's current one to `trainer.steps`: metrics, evaluation, checkpoints, the HF export."""
+    t = cfg.trainer
+    lead = worker.rank == 0
+    ckpt_root = run_dir / "checkpoints"
     log = RunLog(run_dir, resume_step=worker.step, tensorboard=t.tensorboard) if lead else None
     metrics: dict[str, float] = {}
     progress = _Progress(t, worker.step, enabled=lead)
@@ -270,9 +359,9 @@ def train(
         if log is not None:
             log.close()
     if lead:
-        plot_curves(run_dir / "metrics.jsonl", run_dir / CURVES_FILE)
+        plot_curves(run_dir / METRICS_FILE, run_dir / CURVES_FILE)
     if t.export_hf:
-        worker.export_hf(run_dir / "hf")
+        worker.export_hf(run_dir / "hf", replace=True)  # the run's own export, written by an earlier call
     return metrics
 
 

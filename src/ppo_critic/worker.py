@@ -106,12 +106,18 @@ class CriticWorker:
         return save_checkpoint(root, self.step, self.model, self.optimizer, tensors, state, keep_last_n)
 
     def load_checkpoint(
-        self, path: str | Path, tensors: dict[str, Tensor] | None = None
+        self,
+        path: str | Path,
+        tensors: dict[str, Tensor] | None = None,
+        check_state: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """Restore what `save_checkpoint` wrote; `tensors` are templates (shape/dtype) for the caller's tensors."""
+        """Restore what `save_checkpoint` wrote; `tensors` are templates (shape/dtype) for the caller's tensors.
+        Nothing changes unless the checkpoint verifies and its JSON state holds what the worker and the caller's
+        `check_state` need."""
         norm, ema = self._value_norm_state(), self._ema_state()
         templates = {"rng/torch": torch.get_rng_state(), **norm, **ema, **(tensors or {})}
-        loaded, state = load_checkpoint(path, self.model, self.optimizer, templates)
+        checks = _checks(path, check_state)
+        loaded, state = load_checkpoint(path, self.model, self.optimizer, templates, checks)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["worker_step"])
         torch.set_rng_state(loaded.pop("rng/torch"))
@@ -123,6 +129,14 @@ class CriticWorker:
                 if got is not average:
                     average.copy_(got)
         return loaded, state
+
+    def set_learning_rate(self, lr: float) -> None:
+        """A new base rate (an option changed on resume): the schedule goes on from its current step at this rate."""
+        scheduler = self.scheduler
+        scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
+        for group, factor in zip(self.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor(scheduler.last_epoch)
 
     def _ema_state(self) -> dict[str, Tensor]:
         """The moving average of `critic.ema_decay` (the live tensors, sharded like the parameters; or nothing)."""
@@ -144,18 +158,19 @@ class CriticWorker:
         blocks = torch.arange(batch_size).split(block)
         return torch.cat([rows.tensor_split(self.dp_size)[self.groups.dp_rank] for rows in blocks])
 
-    def export_hf(self, out_dir: str | Path) -> Path:
+    def export_hf(self, out_dir: str | Path, replace: bool = False) -> Path:
         """The critic as an HF checkpoint that predicts raw values: a LoRA critic is exported merged (adapters folded
         into the base weights, so it loads without peft), and under `value_norm` the return statistics are folded
         into the value head (`w·σ`, `b·σ + μ`); under `ema_decay` the weights are the moving average. Either way the
-        export gives the values `compute_values` gives."""
+        export gives the values `compute_values` gives. `out_dir` must not exist or be empty, unless `replace`
+        (an export this worker's run wrote before: `checkpoint.export_hf`)."""
         with self.critic.averaged_weights():  # under ema_decay: the average, which compute_values uses
-            return self._export_hf(out_dir)
+            return self._export_hf(out_dir, replace)
 
-    def _export_hf(self, out_dir: str | Path) -> Path:
+    def _export_hf(self, out_dir: str | Path, replace: bool) -> Path:
         lora, norm = bool(self.config.model.lora_rank), self.critic.value_norm
         if not lora and not norm.enabled:
-            return export_hf(self.model, out_dir)
+            return export_hf(self.model, out_dir, replace=replace)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from ppo_critic.models.hf import find_value_head
@@ -164,7 +179,7 @@ class CriticWorker:
         options = StateDictOptions(full_state_dict=True, cpu_offload=torch.distributed.is_initialized())
         full = get_model_state_dict(self.model, options=options)  # a collective under DP
         if self.rank > 0:
-            return export_hf(self.model, out_dir, state_dict={})  # rank 0 writes; the others wait for it
+            return export_hf(self.model, out_dir, state_dict={}, replace=replace)  # rank 0 writes; the others wait
         with torch.device("meta"):
             skeleton = model_from_config(self.config.model)
         # copies: merging and folding work in place, and the state dict may alias the live parameters
@@ -173,7 +188,7 @@ class CriticWorker:
         if norm.enabled:
             parent, name = find_value_head(model)
             norm.fold_into(getattr(parent, name))
-        return export_hf(model, out_dir, state_dict=model.state_dict())
+        return export_hf(model, out_dir, state_dict=model.state_dict(), replace=replace)
 
 
 class MegatronCriticWorker(CriticWorker):
@@ -238,9 +253,9 @@ class MegatronCriticWorker(CriticWorker):
 
         return gather_hf_weights(self.model, self.shapes)
 
-    def export_hf(self, out_dir: str | Path) -> Path:
+    def export_hf(self, out_dir: str | Path, replace: bool = False) -> Path:
         """The gathered HF weights (the moving average under `ema_decay`); under `value_norm` the statistics are folded
-        into the head (raw values)."""
+        into the head (raw values). `replace`: as for `CriticWorker.export_hf`."""
         with self.critic.averaged_weights():
             state = self.hf_state_dict()
         with torch.device("meta"):
@@ -251,7 +266,7 @@ class MegatronCriticWorker(CriticWorker):
             head.load_state_dict({"weight": state["score.weight"], "bias": state["score.bias"]})
             norm.fold_into(head)
             state |= {"score.weight": head.weight.detach(), "score.bias": head.bias.detach()}
-        return export_hf(skeleton, out_dir, state_dict=state)
+        return export_hf(skeleton, out_dir, state_dict=state, replace=replace)
 
     def save_checkpoint(
         self,
@@ -270,20 +285,29 @@ class MegatronCriticWorker(CriticWorker):
         return save_state_dicts(root, self.step, {**self._rank_state(), "extra": tensors}, state, keep_last_n)
 
     def load_checkpoint(
-        self, path: str | Path, tensors: dict[str, Tensor] | None = None
+        self,
+        path: str | Path,
+        tensors: dict[str, Tensor] | None = None,
+        check_state: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        from ppo_critic.checkpoint import load_state_dicts, read_state
+        from ppo_critic.checkpoint import load_state_dicts
 
-        saved = read_state(path).get("megatron_layout")
-        if saved != self._layout():
-            raise ValueError(
-                f"checkpoint {path} was written with the megatron layout {saved}, this job runs {self._layout()}; "
-                "resume with the same layout, or export it to HF and start from that with critic.model.path"
-            )
+        def same_layout(state: dict[str, Any]) -> None:
+            saved = state.get("megatron_layout")
+            if saved != self._layout():
+                raise ValueError(
+                    f"checkpoint {path} was written with the megatron layout {saved}, this job runs "
+                    f"{self._layout()}; resume with the same layout, or export it to HF and start from that with "
+                    "critic.model.path"
+                )
+            if check_state is not None:
+                check_state(state)
+
         norm = self._value_norm_state()
         extra = {"rng/torch": torch.get_rng_state(), **norm, **(tensors or {})}
         state_dict = {**self._rank_state(), "extra": extra}
-        state = load_state_dicts(path, state_dict)  # fills model, optimizer state and main params in place
+        # fills model, optimizer state and main params in place, once the files verify and the state passes
+        state = load_state_dicts(path, state_dict, _checks(path, same_layout))
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
             group["lr"] = lr  # the rate of the saved step (param groups are not in the checkpoint)
@@ -346,6 +370,21 @@ def make_critic_worker(config: Any, **kwargs: Any) -> CriticWorker:
     """`MegatronCriticWorker` for `strategy: megatron`, else `CriticWorker`."""
     config = CriticConfig.from_any(config)
     return (MegatronCriticWorker if config.strategy == "megatron" else CriticWorker)(config, **kwargs)
+
+
+def _checks(path: str | Path, caller: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None]:
+    """What a worker needs of a checkpoint's JSON state (its step and LR schedule), then the caller's checks."""
+
+    def check(state: dict[str, Any]) -> None:
+        step, schedule = state.get("worker_step"), state.get("scheduler")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(schedule, dict):
+            raise ValueError(
+                f"checkpoint {path} is damaged: its trainer_state.json lacks a valid worker_step or scheduler"
+            )
+        if caller is not None:
+            caller(state)
+
+    return check
 
 
 def worker_config(config: Any) -> CriticConfig:

@@ -1,0 +1,149 @@
+"""A run directory and its one writer: the lock, what a new or a resumed run may do with what is already there, the
+checkpoint a run resumes from, and the options a resumed run may change (DESIGN §7: the user's files are sacred).
+
+Only the first rank touches the directory; `agree` carries its outcome (or its error) to every rank, so a refusal
+ends the whole job at once instead of leaving the other ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ppo_critic.checkpoint import CheckpointDamaged, complete_checkpoints
+from ppo_critic.files import RunDirLock, move_aside, write_file
+
+CONFIG_FILE = "config.yaml"
+CHANGES_FILE = "config_changes.jsonl"
+# what `ppo-critic train` writes into a run directory (a directory holding any of these holds a run)
+MANAGED = (CONFIG_FILE, CHANGES_FILE, "metrics.jsonl", "curves.png", "tensorboard", "checkpoints", "hf")
+# options a resumed run may change: applied from the step it resumes at, reported, and recorded in CHANGES_FILE
+CHANGEABLE_ON_RESUME = (
+    "trainer.steps",
+    "trainer.eval_every",
+    "trainer.save_every",
+    "trainer.keep_last_n",
+    "trainer.progress",
+    "trainer.tensorboard",
+    "trainer.export_hf",
+    "trainer.dist_timeout_s",
+    "trainer.device",
+    "critic.optim.lr",
+)
+NOT_COMPARED = ("trainer.resume", "trainer.run_dir")  # how the run is found, not what it is
+T = TypeVar("T")
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in MANAGED)
+
+
+def agree(lead: bool, action: Callable[[], T]) -> T | None:
+    """`action()` on the first rank; its error, if any, raised on every rank (under torchrun). Returns the
+    result on the first rank, None elsewhere."""
+    import torch.distributed as dist
+
+    result, error = None, None
+    if lead:
+        try:
+            result = action()
+        except (OSError, ValueError) as err:
+            error = err
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise error
+    return result
+
+
+def claim(run_dir: Path, resume: str, overwrite: bool, say: Callable[[str], None]) -> RunDirLock:
+    """Lock `run_dir` for this run. A new run (`resume=never`) does not start over an existing one: that is an
+    error, or with `overwrite` the old run is moved aside (renamed, never deleted)."""
+    lock = RunDirLock(run_dir).acquire()
+    if resume != "never" or not holds_a_run(run_dir):
+        return lock
+    if not overwrite:
+        lock.release()
+        raise ValueError(
+            f"trainer.resume=never, but {run_dir} holds a run ({', '.join(_contents(run_dir))}); choose another "
+            "trainer.run_dir, continue it with trainer.resume=auto, or pass --overwrite to move it aside"
+        )
+    aside = move_aside(run_dir)  # our lock moves with it and is still held: nobody slips in
+    fresh = RunDirLock(run_dir).acquire()
+    lock.release()
+    say(f"moved the previous run aside to {aside}")
+    return fresh
+
+
+def resume(ckpt_root: Path, resume: str, load: Callable[[Path], T], say: Callable[[str], None]) -> T | None:
+    """`load(checkpoint)` of the checkpoint to resume from: `resume=auto` takes the newest complete one that
+    verifies (saying which damaged ones it skipped; none at all verifying is an error), a path takes that one,
+    `never` none."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        return load(Path(resume))
+    candidates = complete_checkpoints(ckpt_root)[::-1]
+    problems = []
+    for checkpoint in candidates:
+        try:
+            result = load(checkpoint)
+        except CheckpointDamaged as err:
+            problems.append(str(err))
+            say(f"{err}; trying the checkpoint before it")
+            continue
+        return result
+    if problems:
+        raise ValueError(
+            f"no checkpoint under {ckpt_root} verifies ({'; '.join(problems)}); restore them from a copy, or start "
+            "a new run (another trainer.run_dir, or trainer.resume=never --overwrite to move this one aside)"
+        )
+    return None
+
+
+def option_changes(run_dir: Path, current: dict[str, Any], changeable: tuple[str, ...]) -> dict[str, list[Any]]:
+    """The options of this invocation that differ from the saved run's (`key: [saved, now]`): those in
+    `changeable`; any other difference is an error listing them all."""
+    import yaml
+
+    saved_file = run_dir / CONFIG_FILE
+    if not saved_file.is_file():
+        return {}
+    saved = _flat(yaml.safe_load(saved_file.read_text()) or {})
+    now = _flat(current)
+    differ = {k: [saved.get(k), now.get(k)] for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)}
+    differ = {k: v for k, v in differ.items() if k not in NOT_COMPARED}
+    refused = {k: v for k, v in differ.items() if k not in changeable}
+    if refused:
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
+        raise ValueError(
+            f"these options differ from the run being resumed in {run_dir} (saved -> now): {listed}. They cannot "
+            f"change mid-run: keep them as saved (see {saved_file}), or start a new run (another trainer.run_dir, "
+            f"or trainer.resume=never --overwrite). Options that may change on resume: {', '.join(changeable)}"
+        )
+    return differ
+
+
+def record_changes(run_dir: Path, step: int, changes: dict[str, list[Any]]) -> None:
+    """Append `{"step", "changed": {key: [old, new]}}` to the run's history of option changes."""
+    path = run_dir / CHANGES_FILE
+    old = path.read_text() if path.is_file() else ""
+    write_file(path, old + json.dumps({"step": step, "changed": changes}) + "\n")
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and key != "override_config":
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _contents(run_dir: Path) -> list[str]:
+    return [name for name in MANAGED if (run_dir / name).exists()]
