@@ -94,8 +94,8 @@ def test_unknown_keys_are_named_with_a_suggestion():
         ({"ppo_micro_batch_size_per_gpu": -2}, "ppo_micro_batch_size_per_gpu=-2"),
         ({"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 3}, "not divisible by the micro-batch size 3"),
         ({"shuffle": True}, "shuffle=true needs data_loader_seed"),
-        ({"cliprange_value": -0.2}, "cliprange_value=-0.2 must be a positive number"),
-        ({"grad_clip": 0}, "grad_clip=0.0 must be a positive number"),
+        ({"cliprange_value": -0.2}, "cliprange_value=-0.2 must be a positive (finite) number"),
+        ({"grad_clip": 0}, "grad_clip=0.0 must be a positive (finite) number"),
         ({"dtype": "int8"}, "dtype='int8' is unknown"),
         ({"ulysses_sequence_parallel_size": 2}, "needs model.use_remove_padding=true"),
         ({"model": {"value_head_init": "normal:abc"}}, "model.value_head_init='normal:abc' is invalid"),
@@ -104,6 +104,11 @@ def test_unknown_keys_are_named_with_a_suggestion():
         ({"model": {"lora_rank": -1}}, "model.lora_rank=-1 must be an integer >= 0"),
         ({"optim": {"betas": [0.9, 1.5]}}, "optim.betas"),
         ({"optim": {"warmup_style": "linear"}}, "optim.warmup_style='linear' is unknown"),
+        ({"optim": {"lr": float("inf")}}, "optim.lr=inf must be a finite number >= 0"),
+        ({"optim": {"weight_decay": -0.1}}, "optim.weight_decay=-0.1 must be a finite number >= 0"),
+        ({"model": {"value_head_init": "normal:1e999"}}, "the standard deviation must be positive and finite"),
+        ({"model": {"override_config": {"hidden_size": 0}}}, "model.override_config.hidden_size=0 must be a positive"),
+        ({"rollout_n": 0}, "rollout_n=0 must be a positive integer"),
     ],
 )
 def test_each_invalid_setting_is_explained(overrides, message):

@@ -134,6 +134,7 @@ class Batch:
                 got = f"{len(samples)} entries" if sized else type(samples).__name__
                 raise ValueError(f"batch[{MULTI_MODAL!r}] must hold one dict per sample ({b}), got {got}")
         self._check_masks()
+        self._check_positions()
         if require_targets:
             for key in TARGET_KEYS:
                 self._check_finite(key)
@@ -170,6 +171,38 @@ class Batch:
                 f"batch['attention_mask'] is 0 at position {t - r - 1 + col} of sample {row}, just before its valid "
                 f"response token {col}; a value is read at the position before each response token, so that position "
                 "must be attended to (every sample needs a non-empty prompt)"
+            )
+
+    def _check_positions(self) -> None:
+        """Position ids count each sequence's valid tokens from 0 (`attention_mask.cumsum(-1) - 1`: verl's, TRL's,
+        what the model was trained with; packing restarts them per sequence, so anything else would also make the
+        packed and padded paths disagree). mrope ids [B, 3, T] start at 0, are not negative, and their temporal
+        component does not decrease."""
+        positions, mask = self.tensors["position_ids"], self.tensors["attention_mask"].bool()
+        fix = "use attention_mask.cumsum(-1) - 1 (verl: compute_position_id_with_mask)"
+        if positions.dim() == 2:
+            expected = mask.long().cumsum(-1) - 1
+            wrong = mask & (positions != expected)
+            if wrong.any():
+                row, col = (int(i) for i in wrong.nonzero()[0])
+                raise ValueError(
+                    f"batch['position_ids'] does not count the valid tokens of sample {row} from 0: position {col} "
+                    f"holds {int(positions[row, col])}, expected {int(expected[row, col])}; {fix}"
+                )
+            return
+        first = mask.long().argmax(-1)  # the first valid token of each row
+        starts = positions.gather(2, first[:, None, None].expand(-1, 3, 1)).squeeze(-1)
+        temporal = positions[:, 0].masked_fill(~mask, torch.iinfo(positions.dtype).min)
+        bad = (
+            ((positions < 0) & mask[:, None]).flatten(1).any(-1)
+            | (starts != 0).any(-1)
+            | (mask & (temporal != temporal.cummax(-1).values)).any(-1)
+        )
+        if bad.any():
+            raise ValueError(
+                f"batch['position_ids'] (mrope, [B, 3, T]) of sample {int(bad.nonzero()[0])} does not start at 0, is "
+                "negative, or has a decreasing temporal component at valid tokens; compute them with the model's "
+                "own rope index (e.g. Qwen2-VL's get_rope_index)"
             )
 
     def _check_finite(self, key: str) -> None:

@@ -83,6 +83,15 @@ class BenchConfig:
             )
         if not 0 < cfg.fill <= 1:
             raise ValueError(f"fill={cfg.fill} must be in (0, 1]")
+        sizes = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "batch", "prompt", "response")
+        bad = [f"{n}={getattr(cfg, n)}" for n in (*sizes, "micro", "budget", "repeats") if getattr(cfg, n) < 1]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: sizes must be positive (0 takes the device's default)")
+        if cfg.hidden % cfg.heads or cfg.heads % cfg.kv_heads:
+            raise ValueError(
+                f"hidden={cfg.hidden}, heads={cfg.heads}, kv_heads={cfg.kv_heads}: heads must divide hidden and "
+                "kv_heads must divide heads"
+            )
         if cfg.batch % cfg.micro:
             raise ValueError(f"batch={cfg.batch} must be a multiple of micro={cfg.micro}")
         return cfg

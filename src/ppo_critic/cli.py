@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pickle
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from ppo_critic.bench import BenchConfig
-from ppo_critic.train import TrainConfig
+from ppo_critic.rundir import check_output, is_run_dir
+from ppo_critic.train import Interrupted, TrainConfig
 
 EXAMPLES = """examples:
   ppo-critic train                                   # the built-in counting task, tiny model, runs/default
@@ -31,6 +33,12 @@ critic.megatron.K=V. Runs of the megatron backend are resumed, exported and eval
 layout (world size, TP, PP) they were trained with.
 """
 ALIASES = {"backend": "critic.strategy", "megatron.": "critic.megatron."}
+# what a saved config may not decide: options that import or run code (only this command line sets them)
+CODE_FREE = {"trust_remote_code": False, "external_lib": None}
+
+
+# a missing module -> the extra that installs it
+EXTRAS = {"megatron": "megatron", "peft": "lora", "verl": "verl"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,11 +47,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a kill (e.g. a scheduler's) ends like Ctrl-C
     try:
         return args.run(args)
-    except (ValueError, TypeError, OSError, pickle.UnpicklingError) as err:  # bad options, files, disks
+    except (ValueError, TypeError, OSError, pickle.UnpicklingError, Interrupted) as err:  # options, files, disks
         args.subparser.error(str(err))  # exits with code 2
+    except KeyboardInterrupt:
+        args.subparser.error("interrupted; nothing partial was written")
+    except ModuleNotFoundError as err:
+        package = (err.name or "").split(".")[0]
+        extra = EXTRAS.get(package)
+        hint = f"pip install 'ppo-critic[{extra}]'" if extra else f"install {package}"
+        args.subparser.error(f"this needs the {package} package, which is not installed: {hint}")
+    except MemoryError as err:
+        args.subparser.error(f"out of memory ({err or 'MemoryError'}); use a smaller model or batch")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 2
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", type=Path, help="a YAML file of options (applied before the overrides)")
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with trainer.resume=never: move a run already in trainer.run_dir aside (renamed, never deleted)",
+    )
     train.add_argument("overrides", nargs="*", metavar="key=value", help="options, e.g. trainer.steps=100")
     train.set_defaults(run=_train, subparser=train)
     values = sub.add_parser(
@@ -73,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     values.add_argument("source", type=Path, help="a run directory (its newest checkpoint) or an HF model directory")
     values.add_argument("overrides", nargs="*", metavar="key=value", help="data=FILE out=FILE, and any train option")
+    values.add_argument("--force", action="store_true", help="replace an existing out= file")
     values.set_defaults(run=_values, subparser=values)
     bench = sub.add_parser(
         "bench",
@@ -87,13 +117,17 @@ def _parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=_bench, subparser=bench)
     export = sub.add_parser("export", help="export a run's newest checkpoint as an HF model (safetensors)")
     export.add_argument("run_dir", type=Path)
-    export.add_argument("out_dir", type=Path)
+    export.add_argument("out_dir", type=Path, help="a new (or empty) directory")
+    export.add_argument(
+        "--force", action="store_true", help="move an existing out_dir aside first (renamed, never deleted)"
+    )
     export.set_defaults(run=_export, subparser=export)
     return parser
 
 
 def load_config(yaml_file: Path | None, overrides: list[str], base: dict | None = None) -> TrainConfig:
     """Defaults (or `base`) ← YAML file ← overrides, checked key by key."""
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -109,6 +143,10 @@ def load_config(yaml_file: Path | None, overrides: list[str], base: dict | None 
             merged = OmegaConf.merge(merged, OmegaConf.load(yaml_file))
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
         plain = OmegaConf.to_container(merged, resolve=True)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{yaml_file}:{mark.line + 1}:{mark.column + 1}" if mark else str(yaml_file)
+        raise ValueError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or err})") from err
     except OmegaConfBaseException as err:
         raise ValueError(f"could not read the options: {err}") from err
     return TrainConfig.from_mapping(plain)
@@ -126,7 +164,7 @@ def _expand_alias(override: str) -> str:
 def _train(args: argparse.Namespace) -> int:
     from ppo_critic.train import train
 
-    metrics = train(load_config(args.config, args.overrides))
+    metrics = train(load_config(args.config, args.overrides), overwrite=args.overwrite)
     summary = {k: round(v, 4) for k, v in metrics.items() if k.startswith("eval/")}
     print(f"done: {summary}")
     return 0
@@ -145,47 +183,57 @@ def _values(args: argparse.Namespace) -> int:
     pairs = dict(o.split("=", 1) for o in args.overrides if o.split("=", 1)[0] in ("data", "out"))
     if "data" not in pairs or "out" not in pairs:
         raise ValueError("values needs data=<rollout file> and out=<output .jsonl/.parquet>")
+    data, out = Path(pairs["data"]), Path(pairs["out"])
+    run_dirs = [args.source] if is_run_dir(args.source) else []
+    check_output(out, "file", inputs=[data], run_dirs=run_dirs, force=args.force)
     rest = [o for o in args.overrides if o.split("=", 1)[0] not in ("data", "out")]
     worker, cfg = _worker_for(args.source, rest)
     text_config = worker.hf_config.get_text_config()
-    rows = read_rollouts(pairs["data"], vocab_size=getattr(text_config, "vocab_size", None))
+    rows = read_rollouts(data, vocab_size=getattr(text_config, "vocab_size", None))
     chunk = cfg.trainer.rollout_batch_size
     values: list[list[float]] = []
     for start in range(0, len(rows), chunk):
         batch = collate(rows[start : start + chunk])
-        out = worker.compute_values(batch)
-        values += [v[m.bool()].tolist() for v, m in zip(out, batch["response_mask"], strict=True)]
-    write_values(pairs["out"], values)
-    print(f"wrote values of {len(values)} rollouts to {pairs['out']}")
+        values_of = worker.compute_values(batch)
+        values += [v[m.bool()].tolist() for v, m in zip(values_of, batch["response_mask"], strict=True)]
+    write_values(out, values)
+    print(f"wrote values of {len(values)} rollouts to {out}")
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    worker, _ = _worker_for(args.run_dir, [], need_checkpoint=True)
+    if not is_run_dir(args.run_dir):
+        raise FileNotFoundError(f"{args.run_dir} is not a run directory (no config.yaml)")
+    aside = check_output(args.out_dir, "directory", inputs=[], run_dirs=[args.run_dir], force=args.force)
+    worker, _ = _worker_for(args.run_dir, [])
+    if aside is not None:
+        print(f"moved the previous {args.out_dir} aside to {aside}")
     out = worker.export_hf(args.out_dir)
     print(f"exported step {worker.step} of {args.run_dir} to {out}")
     return 0
 
 
-def _worker_for(source: Path, overrides: list[str], need_checkpoint: bool = False) -> tuple[Any, TrainConfig]:
-    """A worker from a run directory (config.yaml + newest checkpoint) or from an HF model directory."""
+def _worker_for(source: Path, overrides: list[str]) -> tuple[Any, TrainConfig]:
+    """A worker from a run directory (config.yaml + newest checkpoint) or from an HF model directory.
+
+    Options that import or execute code (critic.model.trust_remote_code, critic.model.external_lib) come only from
+    this command line, never from the run directory's saved config: opening someone's run directory runs no code.
+    """
     from omegaconf import OmegaConf
 
     from ppo_critic.checkpoint import latest_checkpoint
     from ppo_critic.train import make_worker
 
-    if (source / "config.yaml").is_file():
+    if is_run_dir(source):
         base = OmegaConf.to_container(OmegaConf.load(source / "config.yaml"))
+        base.setdefault("critic", {}).setdefault("model", {}).update(CODE_FREE)
         cfg = load_config(None, [*overrides, "trainer.resume=never"], base=base)
-        worker = make_worker(cfg)
         checkpoint = latest_checkpoint(source / "checkpoints")
-        if checkpoint is None and need_checkpoint:
+        if checkpoint is None:
             raise FileNotFoundError(f"{source} has no complete checkpoint under checkpoints/")
-        if checkpoint is not None:
-            worker.load_checkpoint(checkpoint)
+        worker = make_worker(cfg)
+        worker.load_checkpoint(checkpoint)
         return worker, cfg
-    if need_checkpoint:
-        raise FileNotFoundError(f"{source} is not a run directory (no config.yaml)")
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is neither a run directory nor a model directory")
     cfg = load_config(None, [*overrides, f"critic.model.path={source}"])

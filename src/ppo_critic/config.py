@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import logging
+import math
 import re
 import types
 import typing
@@ -33,6 +34,16 @@ OFFLOAD_KEYS = ("param_offload", "optimizer_offload")  # verl's names under mode
 HEAD_KINDS = ("auto", "token_classification", "generic")
 WARMUP_STYLES = ("constant", "cosine")
 OPTIMIZERS = ("adamw", "sgd")
+# sizes in a model's (HF) config that must be positive integers when given
+MODEL_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
 
 
 @dataclass
@@ -228,13 +239,15 @@ class CriticConfig:
         )
         if self.dtype is not None and self.dtype not in DTYPES:
             errors.append(f"dtype={self.dtype!r} is unknown; use one of {sorted(DTYPES)} or null for the default")
-        if not (isinstance(self.huber_delta, int | float) and self.huber_delta > 0):
-            errors.append(f"huber_delta={self.huber_delta!r} must be a positive number")
+        if not _positive_number(self.huber_delta):
+            errors.append(f"huber_delta={self.huber_delta!r} must be a positive (finite) number")
         errors += self.ema_errors()
         for name in ("cliprange_value", "grad_clip", "loss_scale_factor"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, int | float) and value > 0):
-                errors.append(f"{name}={value!r} must be a positive number or null (off)")
+            if value is not None and not _positive_number(value):
+                errors.append(f"{name}={value!r} must be a positive (finite) number or null (off)")
+        if isinstance(self.rollout_n, bool) or not isinstance(self.rollout_n, int) or self.rollout_n < 1:
+            errors.append(f"rollout_n={self.rollout_n!r} must be a positive integer (responses per prompt)")
         if not self.use_dynamic_bsz and not errors:
             micro = self.micro_batch_sizes()[0]
             if self.ppo_mini_batch_size % micro:
@@ -292,8 +305,15 @@ class CriticConfig:
     def model_errors(self) -> list[str]:
         m = self.model
         errors = _choice_errors({"model.head": (m.head, HEAD_KINDS)})
-        if not isinstance(m.value_head_init, str) or not VALUE_HEAD_INIT.match(m.value_head_init):
-            errors.append(f"model.value_head_init={m.value_head_init!r} is invalid; {VALUE_HEAD_INIT_HELP}")
+        init = m.value_head_init
+        if not isinstance(init, str) or not VALUE_HEAD_INIT.match(init):
+            errors.append(f"model.value_head_init={init!r} is invalid; {VALUE_HEAD_INIT_HELP}")
+        elif init.startswith("normal:") and not _positive_number(float(init.split(":", 1)[1])):
+            errors.append(f"model.value_head_init={init!r}: the standard deviation must be positive and finite")
+        for key in MODEL_SIZES:
+            value = m.override_config.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                errors.append(f"model.override_config.{key}={value!r} must be a positive integer")
         if m.value_head_dtype is not None and m.value_head_dtype not in DTYPES:
             errors.append(f"model.value_head_dtype={m.value_head_dtype!r} is unknown; use one of {sorted(DTYPES)}")
         if isinstance(m.lora_rank, bool) or not isinstance(m.lora_rank, int) or m.lora_rank < 0:
@@ -325,12 +345,14 @@ class CriticConfig:
         errors = _choice_errors(
             {"optim.warmup_style": (o.warmup_style, WARMUP_STYLES), "optim.optimizer": (o.optimizer, OPTIMIZERS)}
         )
-        if not (isinstance(o.lr, int | float) and o.lr >= 0):
-            errors.append(f"optim.lr={o.lr!r} must be a number >= 0")
+        if not (_finite(o.lr) and o.lr >= 0):
+            errors.append(f"optim.lr={o.lr!r} must be a finite number >= 0")
+        if not (_finite(o.weight_decay) and o.weight_decay >= 0):
+            errors.append(f"optim.weight_decay={o.weight_decay!r} must be a finite number >= 0")
         if len(tuple(o.betas)) != 2 or not all(0 <= b < 1 for b in o.betas):
             errors.append(f"optim.betas={o.betas!r} must be two numbers in [0, 1)")
-        if not (isinstance(o.eps, int | float) and o.eps > 0):
-            errors.append(f"optim.eps={o.eps!r} must be a positive number")
+        if not _positive_number(o.eps):
+            errors.append(f"optim.eps={o.eps!r} must be a positive (finite) number")
         if o.min_lr_ratio is not None and not 0 <= o.min_lr_ratio <= 1:
             errors.append(f"optim.min_lr_ratio={o.min_lr_ratio!r} must be in [0, 1]")
         if o.fused is not None and not isinstance(o.fused, bool):
@@ -341,6 +363,14 @@ class CriticConfig:
 
 
 _LOGGED_VERL_KEYS: set[frozenset[str]] = set()
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive_number(value: Any) -> bool:
+    return _finite(value) and value > 0
 
 
 def per_rank(per_gpu: int | None, global_size: int | None, dp_size: int) -> int | None:

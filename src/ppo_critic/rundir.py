@@ -147,3 +147,41 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _contents(run_dir: Path) -> list[str]:
     return [name for name in MANAGED if (run_dir / name).exists()]
+
+
+def is_run_dir(path: Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def check_output(out: Path, kind: str, inputs: list[Path], run_dirs: list[Path], force: bool) -> Path | None:
+    """Refuse an output path that would destroy something: one inside (or above) a run directory, one that is an
+    input of the command, or an existing `kind` ("file" or "directory") — unless `force`, which replaces a file or
+    moves a directory aside (renamed, never deleted; returned). Never the run directory, even with `force`."""
+    target = Path(out).resolve()
+    for run in (Path(r).resolve() for r in run_dirs):
+        if target == run or run in target.parents:
+            raise ValueError(
+                f"{out} is inside the run directory {run}, whose files ppo-critic manages; write elsewhere"
+            )
+        if target in run.parents:
+            raise ValueError(f"{out} holds the run directory {run}; write elsewhere")
+    for source in inputs:
+        if Path(source).exists() and target.exists() and target.samefile(source) and not force:
+            raise ValueError(
+                f"out={out} is the input {source}: it would be overwritten; choose another out= (or --force)"
+            )
+    if not target.exists():
+        return None
+    if kind == "file":
+        if target.is_dir():
+            raise ValueError(f"out={out} is a directory; name a file")
+        if not force:
+            raise ValueError(f"out={out} exists; choose a new file, or pass --force to replace it")
+        return None
+    if target.is_dir() and not any(target.iterdir()):
+        return None
+    if is_run_dir(target):
+        raise ValueError(f"{out} is a run directory; export elsewhere")
+    if not force:
+        raise ValueError(f"{out} exists and is not empty; choose a new directory, or pass --force to move it aside")
+    return move_aside(target)

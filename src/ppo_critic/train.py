@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 import os
 import sys
 import time
@@ -30,6 +31,7 @@ from ppo_critic.runlog import CURVES_FILE, METRICS_FILE, RunLog, plot_curves, re
 from ppo_critic.tasks import TASKS
 from ppo_critic.worker import CriticWorker, make_critic_worker
 
+MAX_SEED = 2**62  # seeds of torch generators are 64-bit; the held-out set uses seed + a constant
 DEFAULT_MODEL = {
     "model_type": "qwen2",
     "hidden_size": 64,
@@ -117,6 +119,10 @@ class TrainConfig:
                 f"trainer.rollout_batch_size={t.rollout_batch_size} must be a multiple of critic.ppo_mini_batch_size"
                 f"={self.critic.ppo_mini_batch_size} (× rollout_n={self.critic.rollout_n})"
             )
+        if not (isinstance(t.dist_timeout_s, int | float) and math.isfinite(t.dist_timeout_s) and t.dist_timeout_s > 0):
+            raise ValueError(f"trainer.dist_timeout_s={t.dist_timeout_s} must be a positive number of seconds")
+        if not 0 <= t.seed <= MAX_SEED:
+            raise ValueError(f"trainer.seed={t.seed} must be in [0, {MAX_SEED}]")
         if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
             raise ValueError(f"trainer.resume={t.resume!r} must be auto, never or a checkpoint directory")
 

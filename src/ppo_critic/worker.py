@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import Tensor, nn
 
 from ppo_critic.batch import Batch
@@ -404,15 +405,19 @@ def model_from_config(model: ModelConfig) -> nn.Module:
         )
     overrides = dict(model.override_config)
     source = model.path if model.path is not None else overrides
-    built = build_value_model(
-        source,
-        head=model.head,
-        value_head_init=model.value_head_init,
-        value_head_dtype=model.value_head_dtype,
-        override_config=overrides if model.path is not None else None,
-        attn_implementation=model.attn_implementation,
-        trust_remote_code=model.trust_remote_code,
-    )
+    try:
+        built = build_value_model(
+            source,
+            head=model.head,
+            value_head_init=model.value_head_init,
+            value_head_dtype=model.value_head_dtype,
+            override_config=overrides if model.path is not None else None,
+            attn_implementation=model.attn_implementation,
+            trust_remote_code=model.trust_remote_code,
+        )
+    except (MemoryError, RuntimeError, SafetensorError) as err:  # a model too large to allocate; damaged weights
+        what = f"critic.model.path={model.path}" if model.path is not None else "critic.model.override_config"
+        raise ValueError(f"cannot build the value model of {what}: {type(err).__name__}: {err}") from err
     if model.lora_rank:
         from ppo_critic.models.lora import apply_lora
 

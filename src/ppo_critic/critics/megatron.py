@@ -108,18 +108,14 @@ class MegatronPPOCritic(PPOCriticBase):
         return super().update_critic(data)
 
     def _check_batch(self, batch: Batch) -> None:
-        positions, mask = batch["position_ids"], batch["attention_mask"].bool()
+        positions = batch["position_ids"]
         if positions.dim() != 2 or MULTI_MODAL in batch.non_tensors:
             raise ValueError(
                 "MegatronPPOCritic runs text-only models: position_ids must be [B, T] and multi_modal_inputs "
                 "absent; use DataParallelPPOCritic for multimodal (mrope) critics"
             )
-        # megatron's rotary embedding numbers the tokens of each (compacted) row 0, 1, 2, ...
-        if ((positions != mask.long().cumsum(-1) - 1) & mask).any():
-            raise ValueError(
-                "position_ids must count the valid tokens of each row from 0 (attention_mask.cumsum(-1) - 1) for "
-                "MegatronPPOCritic: megatron's rotary embedding numbers tokens by their place in the sequence"
-            )
+        # megatron's rotary embedding numbers the tokens of each (compacted) row 0, 1, 2, ...: Batch.validate
+        # has checked that position_ids do the same
 
     def _values(self, batch: Batch, groups: list[list[int]]) -> Tensor:
         outputs = self._run(batch, groups, forward_only=True, fn=lambda micro, keep, values: values.sum() * 0)
