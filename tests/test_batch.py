@@ -415,3 +415,32 @@ def test_to_moves_tensors_and_keeps_the_rest():
     back = batch.to(torch.device("cpu"))
     assert all(v.device.type == "cpu" for v in back.tensors.values())
     assert all(torch.equal(back[k], batch[k]) for k in batch.tensors)
+
+
+# ---------------------------------------------------------------------------------------------- position ids
+
+
+@pytest.mark.parametrize(
+    "change",
+    [lambda p: torch.zeros_like(p), lambda p: p + 10**12, lambda p: p.flip(-1)],
+    ids=["all-zero", "offset", "reversed"],
+)
+def test_position_ids_must_count_each_rows_valid_tokens_from_zero(change):
+    """Anything else changes the values (and makes the padded and packed paths disagree)."""
+    good = make_tensors()
+    batch = make_batch(position_ids=change(good["position_ids"]))
+    with pytest.raises(ValueError, match=r"position_ids'\] does not count the valid tokens of sample \d from 0"):
+        batch.validate()
+    padding_only = good["position_ids"].masked_fill(good["attention_mask"] == 0, 7)  # padding is never read
+    make_batch(position_ids=padding_only).validate()
+
+
+def test_mrope_position_ids_start_at_zero_and_never_go_back_in_time():
+    good = make_tensors()
+    text = good["position_ids"][:, None, :].expand(-1, 3, -1).clone()
+    image = text.clone()
+    image[:, 1:, 5:] = 0  # height/width components of an image block may go back; the temporal one may not
+    make_batch(position_ids=image).validate()
+    for bad in (text + 1, text.flip(-1), text - 5):
+        with pytest.raises(ValueError, match=r"mrope, \[B, 3, T\]\) of sample \d does not start at 0"):
+            make_batch(position_ids=bad).validate()

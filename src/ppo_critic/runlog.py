@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ppo_critic.files import write_file, write_with
+from ppo_critic.files import explained_os_error, write_file, write_with
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
@@ -29,7 +29,7 @@ class RunLog:
             self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        with open(self.path, "a") as f:
+        with explained_os_error(f"appending step {step} to {self.path} failed"), open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
             f.flush()
             os.fsync(f.fileno())

@@ -253,7 +253,7 @@ def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float) -> di
 
 def train(
     cfg: TrainConfig,
-    out=sys.stdout,
+    out: Any = None,
     on_step: Callable[[int, dict[str, float], float], None] | None = None,
     overwrite: bool = False,
 ) -> dict[str, float]:
@@ -273,7 +273,7 @@ def train(
     cfg = resolve_model(cfg, source.vocab_size)
     worker = make_worker(cfg)
     lead = worker.rank == 0
-    out = out if lead else open(os.devnull, "w")  # noqa: SIM115 - closed with the process
+    out = (out or sys.stdout) if lead else open(os.devnull, "w")  # noqa: SIM115 - closed with the process
     say = functools.partial(print, file=out)
     lock = rundir.agree(lead, lambda: rundir.claim(run_dir, t.resume, overwrite, say))
     try:

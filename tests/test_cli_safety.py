@@ -1,0 +1,298 @@
+"""Nothing a user types destroys data, and every failure a user can cause is `ppo-critic <cmd>: error: ...` with
+exit code 2: exports and values never clobber, a new run never starts over an old one, options changed on resume
+are applied or refused (never half-applied), a finished run says so, one writer per run directory, SIGTERM and a
+real full disk end cleanly, and a run directory's saved config runs no code."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import make_batch, state_hash, tiny_config
+from ppo_critic.checkpoint import latest_checkpoint, verify_checkpoint
+from ppo_critic.cli import main
+from ppo_critic.files import LOCK_FILE
+from ppo_critic.worker import CriticWorker
+from test_files import tiny_disk
+from test_train import SHORT
+
+ROW = {"prompt_ids": [1, 2], "response_ids": [3, 4], "reward": 1.0}
+RUN_ARGS = [*SHORT, "trainer.tensorboard=false"]
+
+
+def cli(argv: list[str], capsys) -> tuple[int, str]:
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def tree(path: Path) -> dict[str, str]:
+    """Every file under `path` (the lock file aside) → its sha256."""
+    files = (p for p in sorted(path.rglob("*")) if p.is_file() and p.name != LOCK_FILE)
+    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", *RUN_ARGS, f"trainer.run_dir={run}"]) == 0
+    return run
+
+
+@pytest.fixture
+def run(finished_run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(finished_run, copy)
+    return copy
+
+
+@pytest.fixture
+def rollouts(tmp_path):
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text(json.dumps(ROW) + "\n")
+    return path
+
+
+def test_export_never_clobbers(run, tmp_path, capsys):
+    before = tree(tmp_path)
+    for out in (run, run / "checkpoints", tmp_path):
+        code, text = cli(["export", run, out, "--force"], capsys)
+        assert code == 2 and ("inside the run directory" in text or "holds the run directory" in text), text
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("user data")
+    (tmp_path / "plain").write_text("a file")
+    for out in ("mine", "plain"):
+        code, text = cli(["export", run, tmp_path / out], capsys)
+        assert code == 2 and "pass --force to move it aside" in text, text
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "user data" and (tmp_path / "plain").read_text() == "a file"
+    assert {k: v for k, v in tree(tmp_path).items() if k.startswith("run/")} == {
+        k: v for k, v in before.items() if k.startswith("run/")
+    }
+    code, text = cli(["export", run, tmp_path / "mine", "--force"], capsys)
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("mine.old-")]
+    assert code == 0 and f"moved the previous {tmp_path / 'mine'} aside to {aside}" in text
+    assert (aside / "notes.txt").read_text() == "user data" and (tmp_path / "mine" / "model.safetensors").is_file()
+    (tmp_path / "empty").mkdir()
+    assert cli(["export", run, tmp_path / "empty"], capsys)[0] == 0
+
+
+def test_values_never_overwrite_an_input_or_an_existing_file(run, rollouts, tmp_path, capsys):
+    code, text = cli(["values", run, f"data={rollouts}", f"out={rollouts}"], capsys)
+    assert code == 2 and "is the input" in text and json.loads(rollouts.read_text()) == ROW
+    (tmp_path / "out.jsonl").write_text("earlier results\n")
+    code, text = cli(["values", run, f"data={rollouts}", f"out={tmp_path / 'out.jsonl'}"], capsys)
+    assert code == 2 and "exists; choose a new file, or pass --force" in text
+    assert (tmp_path / "out.jsonl").read_text() == "earlier results\n"
+    assert cli(["values", run, f"data={rollouts}", f"out={tmp_path / 'out.jsonl'}", "--force"], capsys)[0] == 0
+    assert json.loads((tmp_path / "out.jsonl").read_text())["row"] == 0
+    code, text = cli(["values", run, f"data={rollouts}", f"out={run / 'values.jsonl'}"], capsys)
+    assert code == 2 and "inside the run directory" in text
+    shutil.rmtree(run / "checkpoints")
+    code, text = cli(["values", run, f"data={rollouts}", f"out={tmp_path / 'new.jsonl'}"], capsys)
+    assert code == 2 and "has no complete checkpoint" in text and not (tmp_path / "new.jsonl").exists()
+
+
+def test_a_new_run_never_starts_over_an_old_one(run, capsys):
+    before = tree(run)
+    argv = ["train", *RUN_ARGS, f"trainer.run_dir={run}", "trainer.resume=never"]
+    code, text = cli(argv, capsys)
+    assert code == 2 and "trainer.resume=never, but" in text and "--overwrite to move it aside" in text
+    assert tree(run) == before
+    code, text = cli([*argv, "--overwrite"], capsys)
+    (aside,) = [p for p in run.parent.iterdir() if p.name.startswith("run.old-")]
+    assert code == 0 and f"moved the previous run aside to {aside}" in text
+    assert tree(aside) == before  # the old run, whole
+    assert latest_checkpoint(run / "checkpoints").name == "step_00000004"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+
+
+def test_options_changed_on_resume_are_applied_or_refused(run, capsys):
+    before = tree(run)
+    refused = [
+        "train",
+        *RUN_ARGS,
+        f"trainer.run_dir={run}",
+        "trainer.steps=6",
+        "critic.loss_agg_mode=seq-mean-token-mean",
+    ]
+    code, text = cli(refused, capsys)
+    assert code == 2 and "critic.loss_agg_mode: 'token-mean' -> 'seq-mean-token-mean'. They cannot change" in text
+    assert tree(run) == before
+    code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={run}", "trainer.steps=6", "critic.optim.lr=0.005"], capsys)
+    assert code == 0 and "options changed on resume: critic.optim.lr 0.001 -> 0.005, trainer.steps 4 -> 6" in text
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["critic/lr"] for r in rows] == [0.001] * 4 + [0.005] * 2  # the new rate from the resumed step on
+    assert yaml.safe_load((run / "config.yaml").read_text())["critic"]["optim"]["lr"] == 0.005
+    history = [json.loads(line) for line in (run / "config_changes.jsonl").read_text().splitlines()]
+    assert history == [{"step": 4, "changed": {"critic.optim.lr": [0.001, 0.005], "trainer.steps": [4, 6]}}]
+
+
+def test_a_finished_run_says_so_and_writes_nothing(run, capsys):
+    before = tree(run)
+    code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={run}"], capsys)
+    assert code == 0 and "run complete at step 4: {" in text and "'eval/ev_true': " in text
+    assert tree(run) == before
+
+
+def launch(run: Path, *extra: str) -> subprocess.Popen:
+    """`python -m ppo_critic train` in its own process (a long run: it is stopped by the test)."""
+    argv = [sys.executable, "-m", "ppo_critic", "train", *RUN_ARGS, f"trainer.run_dir={run}", *extra]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, process: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+def test_one_writer_per_run_directory(tmp_path, capsys):
+    run = tmp_path / "run"
+    first = launch(run, "trainer.steps=100000", "trainer.save_every=0")
+    try:
+        wait_for(lambda: (run / "config.yaml").is_file(), first)
+        code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={run}"], capsys)
+        assert code == 2 and f"{run} is in use by pid {first.pid} on " in text, text
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_sigterm_saves_nothing_partial_and_says_where_to_resume(tmp_path, capsys):
+    run = tmp_path / "run"
+    process = launch(run, "trainer.steps=100000", "trainer.save_every=2")
+    wait_for(lambda: (run / "checkpoints" / "step_00000002").is_dir(), process)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 2, err
+    assert "ppo-critic train: error: interrupted at step " in err and "nothing partial was saved" in err
+    assert "Run the same command to resume from step " in err
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    newest = latest_checkpoint(run / "checkpoints")
+    code, text = cli(
+        ["train", *RUN_ARGS, f"trainer.run_dir={run}", f"trainer.steps={int(newest.name[5:]) + 1}"], capsys
+    )
+    assert code == 0 and f"resumed from {newest}" in text
+
+
+def test_a_real_full_disk_during_a_checkpoint(tmp_path, capsys):
+    with tiny_disk(tmp_path / "disk", size="1000k") as disk:  # room for the step-2 checkpoint, not for step 4's
+        run = disk / "run"
+        code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={run}"], capsys)
+        assert code == 2, text
+        assert "[Errno 28] writing checkpoint" in text and "step_00000004 failed" in text
+        assert text.rstrip().endswith("the previous checkpoints are intact")
+        assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")] == []
+        checkpoint = latest_checkpoint(run / "checkpoints")
+        assert checkpoint.name == "step_00000002"
+        verify_checkpoint(checkpoint)  # whole: every file matches its manifest
+
+
+EVIL = """
+from pathlib import Path
+Path({marker!r}).write_text("code from a run directory ran")
+"""
+
+
+def test_a_run_directorys_saved_config_runs_no_code(run, rollouts, tmp_path, capsys, monkeypatch):
+    marker = tmp_path / "pwned"
+    (tmp_path / "evil_lib.py").write_text(EVIL.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["critic"]["model"] |= {"trust_remote_code": True, "external_lib": "evil_lib"}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    assert cli(["values", run, f"data={rollouts}", f"out={tmp_path / 'v.jsonl'}"], capsys)[0] == 0
+    assert cli(["export", run, tmp_path / "exported"], capsys)[0] == 0
+    assert not marker.exists()
+    # the same option on this command line is the user's own choice (and shows the test could fail)
+    argv = ["values", run, f"data={rollouts}", f"out={tmp_path / 'w.jsonl'}", "critic.model.external_lib=evil_lib"]
+    assert cli(argv, capsys)[0] == 0 and marker.exists()
+
+
+def test_resuming_on_other_rollouts_is_refused_before_anything_changes(run, rollouts, capsys):
+    before = tree(run)
+    code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={run}", "trainer.steps=6", f"data={rollouts}"], capsys)
+    assert code == 2 and "data" in text and tree(run) == before
+
+
+def test_a_checkpoint_whose_state_lacks_a_key_changes_nothing(run):
+    checkpoint = latest_checkpoint(run / "checkpoints")
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    del state["scheduler"]
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    from ppo_critic.checkpoint import _hashes
+
+    (checkpoint / "manifest.json").write_text(json.dumps(_hashes(checkpoint)))  # a consistent, but bad, state
+    worker = CriticWorker({"ppo_mini_batch_size": 4, "model": {"override_config": {**tiny_config(), "vocab_size": 20}}})
+    worker.update_critic(make_batch(4, vocab=20))
+    before = state_hash(worker.model, worker.optimizer)
+    with pytest.raises(ValueError, match="lacks a valid worker_step or scheduler"):
+        worker.load_checkpoint(checkpoint)
+    assert state_hash(worker.model, worker.optimizer) == before and worker.step == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["critic.optim.lr=.inf"], "optim.lr=inf must be a finite number >= 0"),
+        (["critic.optim.weight_decay=-0.5"], "optim.weight_decay=-0.5 must be a finite number >= 0"),
+        (["critic.model.value_head_init=normal:1e999"], "the standard deviation must be positive and finite"),
+        (["critic.model.override_config.hidden_size=0"], "critic.model.override_config.hidden_size=0 must be a"),
+        (["critic.rollout_n=0"], "critic.rollout_n=0 must be a positive integer"),
+        (["trainer.dist_timeout_s=0"], "trainer.dist_timeout_s=0.0 must be a positive number of seconds"),
+        (["trainer.seed=-1"], "trainer.seed=-1 must be in [0, "),
+        (["backend=megatron"], "this needs the megatron package, which is not installed: pip install 'ppo-critic[me"),
+        (
+            ["critic.model.override_config.hidden_size=1048576", "critic.model.override_config.intermediate_size=64"],
+            "cannot build the value model of critic.model.override_config",
+        ),
+    ],
+    ids=["lr-inf", "weight-decay", "init-scale", "hidden-size", "rollout-n", "timeout", "seed", "extra", "huge"],
+)
+def test_settings_that_cannot_train_are_errors(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.setitem(sys.modules, "megatron", None)  # as if ppo-critic[megatron] were not installed
+    code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={tmp_path / 'run'}", *argv], capsys)
+    assert code == 2 and message in text, text
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_yaml_and_bench_mistakes_are_errors(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("trainer:\n  steps: [1, 2\n")
+    code, text = cli(["train", "--config", config], capsys)
+    assert code == 2 and f"{config}:3:1: not valid YAML" in text
+    code, text = cli(["bench", "layers=-1"], capsys)
+    assert code == 2 and "layers=-1: sizes must be positive" in text
+    code, text = cli(["bench", "hidden=30", "heads=4"], capsys)
+    assert code == 2 and "heads must divide hidden" in text
+
+
+def test_a_damaged_model_file_is_named(run, rollouts, tmp_path, capsys):
+    export = tmp_path / "hf"
+    assert cli(["export", run, export], capsys)[0] == 0
+    (export / "model.safetensors").write_bytes(b"\x00" * 64)
+    code, text = cli(["values", export, f"data={rollouts}", f"out={tmp_path / 'v.jsonl'}"], capsys)
+    assert code == 2 and f"cannot build the value model of critic.model.path={export}" in text, text
+
+
+def test_sigterm_handler_is_restored(capsys):
+    before = signal.getsignal(signal.SIGTERM)
+    cli(["bench", "layers=-1"], capsys)
+    assert signal.getsignal(signal.SIGTERM) == before and os.getpid() > 0
