@@ -22,6 +22,18 @@ TINY = {
 }
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_process_group():
+    """A test that leaves a default process group behind makes every later single-process test see a world of one
+    under FSDP; fail the test that leaked it (and clean up) instead of the innocent ones after it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left a torch.distributed process group initialised")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning OpenMP threads make a

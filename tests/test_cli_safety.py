@@ -267,6 +267,8 @@ def test_a_checkpoint_whose_state_lacks_a_key_changes_nothing(run):
     ids=["lr-inf", "weight-decay", "init-scale", "hidden-size", "rollout-n", "timeout", "seed", "extra", "huge"],
 )
 def test_settings_that_cannot_train_are_errors(tmp_path, capsys, monkeypatch, argv, message):
+    for name in [m for m in sys.modules if m.startswith("megatron.")]:  # imported by earlier tests
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "megatron", None)  # as if ppo-critic[megatron] were not installed
     code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={tmp_path / 'run'}", *argv], capsys)
     assert code == 2 and message in text, text

@@ -1,0 +1,254 @@
+"""Soak of the CLI's data safety: random commands over one run directory on a small real file system.
+
+200 commands (by default) drawn at random: `train` (resuming, with options that may or may not change mid-run, new
+runs with and without `--overwrite`), `export` and `values` (to fresh paths, existing ones, with `--force`, into the
+run directory, over their own input; padded or packed), a `train` killed with SIGKILL, SIGTERM or SIGINT (Ctrl-C) at
+a random moment, a second writer while one trains, and a `train` on a disk that fills up. Every command must end
+with exit code 0 or 2 (never a traceback); after each, every complete checkpoint must verify, `config.yaml` must
+parse and the rollout file must be intact. At the end one more `train` resumes the run to its last step, and
+`metrics.jsonl` must hold exactly the steps of the final checkpoint.
+
+Runs as root (it mounts a tmpfs). Commands run in forked children of this warmed-up process (no import per command):
+    python bench/soak_cli.py [--commands 200] [--seed 0] [--out bench/results/soak_cli.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import torch
+
+import ppo_critic.cli as cli
+from ppo_critic.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
+from ppo_critic.files import write_file
+from ppo_critic.runlog import read_metrics
+
+RUN_ARGS = [
+    "trainer.rollout_batch_size=8",
+    "trainer.eval_size=16",
+    "trainer.eval_every=2",
+    "trainer.save_every=2",
+    "trainer.keep_last_n=3",
+    "trainer.progress=false",
+    "trainer.tensorboard=false",
+    "critic.ppo_mini_batch_size=4",
+    "critic.ppo_micro_batch_size_per_gpu=2",
+    "critic.model.override_config.hidden_size=32",
+    "critic.model.override_config.intermediate_size=64",
+]
+# command kind -> how often it is drawn
+KINDS = {
+    "resume": 20,
+    "changed": 6,
+    "refused": 5,
+    "never": 3,
+    "overwrite": 2,
+    "export": 12,
+    "values": 12,
+    "sigkill": 10,
+    "sigterm": 6,
+    "sigint": 5,
+    "second-writer": 5,
+    "full-disk": 15,
+}
+ROW = {"prompt_ids": [1, 2], "response_ids": [3, 4, 5], "reward": 1.0}
+
+
+def fork(argv: list[str], log: Path) -> int:
+    """`ppo-critic <argv>` in a forked child; its pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            code = cli.main(argv)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
+def outcome(pid: int) -> str:
+    _, status = os.waitpid(pid, 0)
+    return f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+
+
+class Soak:
+    def __init__(self, root: Path, seed: int):
+        self.root, self.rng = root, random.Random(seed)
+        self.run = root / "run"
+        self.steps = 2
+        self.log = root / "command.log"
+        self.data = root / "rollouts.jsonl"
+        self.data.write_text(json.dumps(ROW) + "\n")
+        self.outcomes: collections.Counter = collections.Counter()
+        self.violations: list[str] = []
+
+    def train_argv(self, *extra: str) -> list[str]:
+        return ["train", *RUN_ARGS, f"trainer.run_dir={self.run}", f"trainer.steps={self.steps}", *extra]
+
+    def command(self, kind: str, argv: list[str]) -> str:
+        result = outcome(fork(argv, self.log))
+        self.outcomes[(kind, result)] += 1
+        if result not in ("exit 0", "exit 2"):
+            self.violations.append(f"{kind} {argv[:1]} ended with {result}: {self.log.read_text()[-1500:]}")
+        return result
+
+    def killed(self, kind: str, sig: signal.Signals) -> None:
+        self.steps += self.rng.randint(2, 6)
+        pid = fork(self.train_argv(), self.log)
+        time.sleep(self.rng.uniform(0.3, 4.0))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        result = outcome(pid)
+        self.outcomes[(kind, result)] += 1
+        if result not in ("exit 0", "exit 2", f"signal {int(sig)}"):
+            self.violations.append(f"{kind} ended with {result}: {self.log.read_text()[-1500:]}")
+
+    def second_writer(self) -> None:
+        self.steps += 4
+        first = fork(self.train_argv(), self.root / "first.log")
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        self.command("second-writer", self.train_argv())
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first, signal.SIGKILL)
+        outcome(first)
+
+    def full_disk(self) -> None:
+        filler = self.root / "filler"
+        free = os.statvfs(self.root).f_bavail * os.statvfs(self.root).f_frsize
+        keep = self.rng.randint(50_000, 2_000_000)
+        with open(filler, "wb") as f:
+            f.truncate(0)
+            f.write(b"\0" * max(0, free - keep))
+        self.steps += self.rng.randint(1, 4)
+        try:
+            self.command("full-disk", self.train_argv())
+        finally:
+            filler.unlink()
+
+    def step(self) -> None:
+        kind = self.rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        out = self.root / f"out-{self.rng.randint(0, 3)}"
+        if kind == "resume":
+            self.steps += self.rng.randint(0, 3)
+            self.command(kind, self.train_argv())
+        elif kind == "changed":
+            self.steps += 1
+            self.command(kind, self.train_argv(f"critic.optim.lr={self.rng.choice(['0.001', '0.002', '0.0005'])}"))
+        elif kind == "refused":
+            self.command(kind, self.train_argv("critic.loss_agg_mode=seq-mean-token-mean"))
+        elif kind in ("never", "overwrite"):
+            extra = ["trainer.resume=never"] + (["--overwrite"] if kind == "overwrite" else [])
+            if kind == "overwrite":
+                self.steps = 2
+            self.command(kind, self.train_argv(*extra))
+        elif kind == "export":
+            target = self.rng.choice([out, self.run, self.run / "checkpoints", self.root])
+            self.command(kind, ["export", str(self.run), str(target), *self.rng.choice([[], ["--force"]])])
+        elif kind == "values":
+            target = self.rng.choice([out.with_suffix(".jsonl"), self.data, self.run / "v.jsonl"])
+            layout = f"critic.model.use_remove_padding={self.rng.choice(['true', 'false'])}"
+            argv = ["values", str(self.run), f"data={self.data}", f"out={target}", layout]
+            force = target != self.data and self.rng.random() < 0.5  # a forced write over the input is wanted
+            self.command(kind, argv + ["--force"] * force)
+        elif kind.startswith("sig"):
+            self.killed(kind, {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigint": signal.SIGINT}[kind])
+        elif kind == "second-writer":
+            self.second_writer()
+        else:
+            self.full_disk()
+        self.check()
+
+    def check(self) -> None:
+        """Every complete checkpoint verifies; config.yaml parses; the input file is intact."""
+        import yaml
+
+        for checkpoint in complete_checkpoints(self.run / "checkpoints"):
+            try:
+                verify_checkpoint(checkpoint)
+            except ValueError as err:
+                self.violations.append(str(err))
+        if (self.run / "config.yaml").exists():
+            try:
+                yaml.safe_load((self.run / "config.yaml").read_text())
+            except yaml.YAMLError as err:
+                self.violations.append(f"config.yaml does not parse: {err}")
+        if json.loads(self.data.read_text()) != ROW:
+            self.violations.append("the rollout file changed")
+
+    def finish(self) -> dict:
+        """Resume the run to its last step: metrics.jsonl must hold exactly the steps of the final checkpoint."""
+        self.command("final", self.train_argv())
+        newest = latest_checkpoint(self.run / "checkpoints")
+        rows = read_metrics(self.run / "metrics.jsonl")
+        final = int(newest.name.split("_")[1]) if newest else 0
+        if [r["step"] for r in rows] != list(range(1, final + 1)):
+            self.violations.append(f"metrics.jsonl steps {[r['step'] for r in rows]} != 1..{final}")
+        self.check()
+        return {"final_step": final, "checkpoints": [p.name for p in complete_checkpoints(self.run / "checkpoints")]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--commands", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", default="64m", help="the size of the tmpfs the run lives on")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "disk"
+        root.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.size}", "tmpfs", str(root)], check=True)
+        try:
+            soak = Soak(root, args.seed)
+            start = time.perf_counter()
+            for i in range(args.commands):
+                soak.step()
+                if (i + 1) % 20 == 0:
+                    print(f"{i + 1} commands, {len(soak.violations)} violations", flush=True)
+            summary = soak.finish()
+            elapsed = time.perf_counter() - start
+        finally:
+            subprocess.run(["umount", "--lazy", str(root)], check=True)
+    result = {
+        "commands": args.commands,
+        "seed": args.seed,
+        "seconds": round(elapsed, 1),
+        "outcomes": {f"{k} -> {v}": n for (k, v), n in sorted(soak.outcomes.items())},
+        "violations": soak.violations,
+        **summary,
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        write_file(args.out, text + "\n")
+    sys.exit(1 if soak.violations else 0)
+
+
+if __name__ == "__main__":
+    main()
