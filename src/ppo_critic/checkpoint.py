@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ppo_critic.files import explained_os_error, fsync_dir, new_directory, write_file
 
-STEP_DIR = re.compile(r"^step_(\d{8})$")
+STEP_DIR = re.compile(r"^step_(\d{8,})$")  # zero-padded to 8 digits, longer past 10**8
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 INTACT = "; the previous checkpoints are intact"
@@ -185,7 +185,8 @@ def _dcp_errors_as_os_errors() -> Iterator[None]:
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under `root` (temporary and damaged directories are ignored)."""
+    """The newest complete checkpoint under `root` (temporary and incomplete directories are ignored; its content is
+    checked when it is loaded)."""
     steps = complete_checkpoints(root)
     return steps[-1] if steps else None
 
