@@ -204,7 +204,7 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, eval_every: 
                 "trainer.resume=never",
                 "trainer.save_every=0",
                 "trainer.progress=false",
-                "trainer.tensorboard=false",
+                "trainer.logger=[console,jsonl]",
                 "trainer.export_hf=false",
             ],
         )

@@ -85,6 +85,14 @@ def exported_values(out_dir, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.where(batch["attention_mask"][:, -r:].bool(), out.logits.squeeze(-1)[:, -r - 1 : -1], 0.0)
 
 
+TIMINGS = ("time", "elapsed_s")
+
+
+def without_timings(row: dict) -> dict:
+    """A metrics row without what depends on the clock (throughput, time stamps), for comparing two runs."""
+    return {k: v for k, v in row.items() if not k.startswith("perf/") and k not in TIMINGS}
+
+
 def edited(tensors: dict, **changes) -> dict:
     """A copy of `tensors` with keys replaced (a value of None removes the key)."""
     out = dict(tensors)

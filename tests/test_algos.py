@@ -26,6 +26,11 @@ from ppo_critic.algos import (
 
 NAN, INF = float("nan"), float("inf")
 F64 = torch.float64
+# Tolerances: `assert_close`'s defaults unless a line says otherwise (float64: rtol 1e-7, atol 1e-7; float32: rtol
+# 1.3e-6 ~ 22 unit roundoffs u = 2**-24, atol 1e-5). Each check is a handful of float ops (< 10 roundings, each
+# <= u or 2**-53 relative) on O(1) numbers, against a hand value that is exact or written to 7 significant digits
+# (<= 5e-8 relative), so the defaults bound it on any IEEE-754 CPU; a bug moves the numbers by > 1e-3.
+UNIT_ROUNDOFF_F32 = 2.0**-24
 
 
 def t64(rows) -> torch.Tensor:
@@ -299,8 +304,11 @@ def test_gae_right_padded_hand_example():
     raw = torch.tensor([[0.10624, 0.592, 0.6], [0.53, 1.5, 0.0]])
     assert_close(advantages, masked_whiten(raw, mask) * mask)
     assert advantages[1, 2].item() == 0.0
-    assert_close(masked_mean(advantages, mask), torch.tensor(0.0), atol=1e-6, rtol=0)
-    assert_close(masked_var(advantages, mask), torch.tensor(1.0), atol=1e-6, rtol=0)
+    # float32, 5 values, |a| <= 1.64: the mean is off by the rounding of the whitening mean (<= 4u·Σ|x| / 5 / std
+    # ~ 6.5u) plus that of each a (2u·|a|) and of the new mean (4u·mean|a|): <= ~11u -> 16u. The variance (all
+    # terms >= 0, no cancellation) by <= 2 x std's (5u) + 2 x each a's (2u) + the new variance's (8u) = 22u -> 24u.
+    assert_close(masked_mean(advantages, mask), torch.tensor(0.0), atol=16 * UNIT_ROUNDOFF_F32, rtol=0)
+    assert_close(masked_var(advantages, mask), torch.tensor(1.0), atol=24 * UNIT_ROUNDOFF_F32, rtol=0)
 
 
 def test_gae_interior_masked_gap_carries_next_value():
@@ -466,7 +474,7 @@ def test_huber_with_errors_inside_delta_equals_mse():
     mask = torch.ones(3, 5)
     huber, _ = compute_value_loss(vpreds, returns, values, mask, 0.5, loss_type="huber", huber_delta=1.0)
     mse, _ = compute_value_loss(vpreds, returns, values, mask, 0.5)
-    assert_close(huber, mse, rtol=0, atol=0)
+    assert_close(huber, mse, rtol=0, atol=0)  # exact: inside delta both are err**2, then the same aggregation
 
 
 def test_unknown_loss_type_is_rejected():

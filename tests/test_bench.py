@@ -39,7 +39,43 @@ def test_bench_reports_every_path_against_the_padded_baseline(tmp_path, command,
     if "padded" in paths:
         assert summary["vs_padded"]["padded"] == {"compute_values": 1.0, "update_critic": 1.0}
         ratio = summary["median"]["packed"]["update_critic"] / summary["median"]["padded"]["update_critic"]
-        assert summary["vs_padded"]["packed"]["update_critic"] == pytest.approx(ratio)
+        assert summary["vs_padded"]["packed"]["update_critic"] == ratio  # the same float64 quotient; JSON keeps it
+        header = next(line for line in result.stdout.splitlines() if line.startswith("path "))
+        assert header.split()[-6:] == ["values", "x", "padded", "update", "x", "padded"]
+
+
+def test_the_report_says_which_ratio_is_values_and_which_is_update():
+    from ppo_critic.bench import report
+
+    config = {"dtype": "float32", "layers": 1, "hidden": 32, "batch": 4, "prompt": 8, "response": 8}
+    row = {"compute_values_mfu": 0.1, "update_critic_mfu": 0.2, "peak_gb": 0.0}
+    summary = {
+        "device": "cpu",
+        "torch": "2",
+        "config": config,
+        "fill": 0.5,
+        "valid_tokens": 32,
+        "median": {
+            "padded": {"compute_values": 100.0, "update_critic": 50.0, **row},
+            "packed": {"compute_values": 300.0, "update_critic": 75.0, **row},
+        },
+        "vs_padded": {
+            "padded": {"compute_values": 1.0, "update_critic": 1.0},
+            "packed": {"compute_values": 3.0, "update_critic": 1.5},
+        },
+    }
+    lines = report(summary).splitlines()
+    assert "values = compute_values, update = update_critic" in lines[1]
+    header, padded, packed = lines[2:5]
+    columns = ["values tok/s", "update tok/s", "values MFU", "update MFU", "peak GiB", "values x padded"]
+    columns.append("update x padded")
+    for row_line, cells in [
+        (packed, ["300", "75", "0.100", "0.200", "0.00", "3.00x", "1.50x"]),
+        (padded, ["100", "50", "0.100", "0.200", "0.00", "1.00x", "1.00x"]),
+    ]:
+        for name, cell in zip(columns, cells, strict=True):  # each number right-aligned under its own header
+            end = header.index(name) + len(name)
+            assert row_line[end - len(cell) : end] == cell and row_line[end - len(cell) - 1] == " ", (name, row_line)
 
 
 @pytest.mark.parametrize(
@@ -91,6 +127,7 @@ def test_bench_levers_build_their_workers_and_profile_names_the_top_operators(tm
     assert set(summary["profile"]) == {"padded", "packed+dyn+fused"}
     for ops in summary["profile"].values():
         assert ops and all(o["ms"] >= 0 and o["calls"] >= 1 for o in ops)
+        # float64 shares e / total of the events' sum (hundreds of terms): over 1 by <= ~n·2**-53 ~ 1e-13, not 1e-9
         assert sum(o["share"] for o in ops) <= 1.0 + 1e-9
         assert [o["ms"] for o in ops] == sorted((o["ms"] for o in ops), reverse=True)
     assert json.loads(out.read_text())["profile"] == summary["profile"]

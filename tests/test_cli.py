@@ -1,7 +1,8 @@
-"""`ppo-critic`: help, bad options (exit code 2), values on a rollout file, export."""
+"""`ppo-critic`: help, version, no torch before it is needed, bad options (exit code 2), values, export."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -9,9 +10,13 @@ import sys
 import pytest
 import torch
 
+import ppo_critic
+from ppo_critic import cli
+from ppo_critic import train as train_mod
 from ppo_critic.cli import load_config, main
 from ppo_critic.rollouts import collate, read_rollouts
 from ppo_critic.train import make_worker
+from test_rollouts import TEMPLATE, TEXT_IDS, TEXT_ROWS, id_rows, save_tokenizer
 from test_train import SHORT
 
 
@@ -124,6 +129,27 @@ def test_values_are_written_in_input_order(tmp_path, capsys):
     assert code == 0, text
 
 
+def test_a_run_on_text_rows_and_its_values_equal_the_same_rows_as_token_ids(tmp_path, capsys):
+    """`prompt` / `response` text with critic.model.tokenizer_path: trained on and evaluated like the ids it becomes
+    (the tokenizer directory recorded in the run is used again by `values`)."""
+    tokenizer = save_tokenizer(tmp_path / "tokenizer", chat_template=TEMPLATE)
+    text, ids = tmp_path / "text.jsonl", tmp_path / "ids.jsonl"
+    text.write_text("".join(json.dumps(r) + "\n" for r in TEXT_ROWS * 3))
+    ids.write_text("".join(json.dumps(r) + "\n" for r in id_rows(templated=True) * 3))
+    run = tmp_path / "run"
+    args = ["train", f"data={text}", f"trainer.run_dir={run}", f"critic.model.tokenizer_path={tokenizer}", *SHORT]
+    code, output = run_cli(args, capsys)
+    assert code == 0, output
+    written = []
+    for name, data in (("text", text), ("ids", ids)):
+        code, output = run_cli(["values", str(run), f"data={data}", f"out={tmp_path / name}_values.jsonl"], capsys)
+        assert code == 0, output
+        written.append(
+            [json.loads(line)["values"] for line in (tmp_path / f"{name}_values.jsonl").read_text().splitlines()]
+        )
+    assert written[0] == written[1] and [len(v) for v in written[0][:4]] == [len(r[2]) for r in TEXT_IDS]
+
+
 def test_values_and_export_explain_missing_inputs(tmp_path, capsys):
     code, text = run_cli(["values", str(tmp_path), "data=x.jsonl"], capsys)
     assert code == 2 and "out=" in text
@@ -136,14 +162,77 @@ def test_python_dash_m_runs_the_cli():
     assert result.returncode == 0 and "train" in result.stdout and "export" in result.stdout
 
 
-def test_the_shipped_default_config_file_matches_the_built_in_defaults():
-    from pathlib import Path
+# runs the CLI in a fresh interpreter, then reports its exit code and whether torch was imported
+NO_TORCH = """
+import json, sys
+from ppo_critic.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exit_:
+    code = exit_.code
+print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
+"""
 
-    from omegaconf import OmegaConf
 
-    from ppo_critic.train import TrainConfig
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        ([], 2),
+        (["--help"], 0),
+        (["--version"], 0),
+        (["train", "--help"], 0),
+        (["bench", "--help"], 0),
+        (["train", "critic.optim.lrr=1"], 2),
+        (["train", "--print-config", "trainer.steps=5"], 0),
+    ],
+    ids=["bare", "help", "version", "train-help", "bench-help", "config-error", "print-config"],
+)
+def test_help_version_and_option_errors_do_not_import_torch(argv, code):
+    result = subprocess.run([sys.executable, "-c", NO_TORCH, *argv], capture_output=True, text=True, check=True)
+    assert json.loads(result.stdout.splitlines()[-1]) == {"code": code, "torch": False}, result.stderr
 
-    shipped = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
-    assert load_config(shipped, []) == TrainConfig()
-    written = OmegaConf.to_yaml(OmegaConf.create(TrainConfig().to_dict()))
-    assert OmegaConf.load(shipped) == OmegaConf.create(written)  # every key is written out
+
+def test_version_is_the_installed_one(capsys, monkeypatch):
+    code, text = run_cli(["--version"], capsys)
+    assert code == 0 and text == f"ppo-critic {importlib.metadata.version('ppo-critic')}\n"
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert cli.version() == ppo_critic.__version__  # a source checkout that is not installed
+
+
+def test_print_config_writes_a_config_file_that_reproduces_the_options(tmp_path, capsys):
+    argv = ["trainer.steps=5", "backend=ddp", "task.min_count=3"]
+    code, text = run_cli(["train", "--print-config", *argv], capsys)
+    assert code == 0 and "  steps: 5  # " in text and "  strategy: ddp  # " in text
+    written = tmp_path / "run.yaml"
+    written.write_text(text)
+    assert load_config(written, []) == load_config(None, argv)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_train_leaves_the_report_to_the_trainer(tmp_path, capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(train_mod, "train", lambda cfg, overwrite: seen.append(cfg) or {"eval/ev_true": 0.5})
+    code, text = run_cli(["train", f"trainer.run_dir={tmp_path}", "trainer.steps=3"], capsys)
+    assert code == 0 and text == "" and seen[0].trainer.steps == 3
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (train_mod.Interrupted("interrupted at step 2; nothing partial was saved"), "interrupted at step 2;"),
+        (ModuleNotFoundError("No module named 'wandb'", name="wandb"), "pip install 'ppo-critic[wandb]'"),
+        (ModuleNotFoundError("No module named 'mlflow'", name="mlflow"), "pip install 'ppo-critic[mlflow]'"),
+    ],
+    ids=["interrupted", "wandb", "mlflow"],
+)
+def test_train_failures_exit_2_with_the_reason(error, message, tmp_path, capsys, monkeypatch):
+    def fail(cfg, overwrite):
+        raise error
+
+    monkeypatch.setattr(train_mod, "train", fail)
+    code, text = run_cli(["train", f"trainer.run_dir={tmp_path}"], capsys)
+    assert code == 2 and message in text, text

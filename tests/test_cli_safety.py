@@ -27,7 +27,7 @@ from test_files import tiny_disk
 from test_train import SHORT
 
 ROW = {"prompt_ids": [1, 2], "response_ids": [3, 4], "reward": 1.0}
-RUN_ARGS = [*SHORT, "trainer.tensorboard=false"]
+RUN_ARGS = [*SHORT, "trainer.logger=[console,jsonl]"]
 
 
 def cli(argv: list[str], capsys) -> tuple[int, str]:

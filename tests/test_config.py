@@ -8,6 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from ppo_critic import CriticConfig
+from ppo_critic.train_config import TrainConfig
 
 VERL_CRITIC = """
 _target_: verl.workers.config.CriticConfig
@@ -143,3 +144,26 @@ def test_all_problems_are_reported_at_once():
 def test_dynamic_batching_does_not_need_divisible_micro_batches():
     cfg = CriticConfig.from_any({"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 3, "use_dynamic_bsz": True})
     assert cfg.use_dynamic_bsz
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"trainer": {"log_every": 0}}, "trainer.log_every=0 must be >= 1"),
+        ({"trainer": {"eval_fraction": 1.0}}, "trainer.eval_fraction=1.0 must be in [0, 1)"),
+        ({"trainer": {"eval_fraction": -0.1}}, "trainer.eval_fraction=-0.1 must be in [0, 1)"),
+        ({"trainer": {"eval_data": "held_out.jsonl"}}, "trainer.eval_data is read together with data="),
+        ({"trainer": {"logger": ["console", "neptune"]}}, "trainer.logger: unknown logger 'neptune'"),
+        ({"task": {"name": "chess"}}, "task.name='chess' is unknown; built-in tasks: ['counting']"),
+    ],
+)
+def test_each_invalid_trainer_setting_is_explained(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig.from_mapping(options)
+
+
+def test_the_trainer_accepts_its_documented_settings():
+    cfg = TrainConfig.from_mapping(
+        {"data": "train.jsonl", "trainer": {"eval_data": "eval.jsonl", "eval_fraction": 0.0, "logger": "jsonl,wandb"}}
+    )
+    assert cfg.trainer.eval_data == "eval.jsonl" and cfg.trainer.logger == ["jsonl", "wandb"]  # normalised

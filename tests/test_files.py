@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,16 +33,76 @@ def leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
 
 
-def test_write_file_replaces_atomically_with_the_usual_mode(tmp_path):
-    target = tmp_path / "sub" / "config.yaml"
-    write_file(target, "a: 1\n")
-    old = os.umask(0o022)
+@contextlib.contextmanager
+def umask(mask: int):
+    old = os.umask(mask)
     try:
-        write_file(target, "a: 2\n")
+        yield
     finally:
         os.umask(old)
-    assert target.read_text() == "a: 2\n" and leftovers(target.parent) == []
-    assert stat.S_IMODE(target.stat().st_mode) == 0o644  # readable by others, not mkstemp's 0600
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def mkstemp_writer(tmp: Path) -> None:
+    """A library writer that writes its own temporary file (mkstemp: 0600) and renames it over the given path."""
+    fd, name = tempfile.mkstemp(dir=tmp.parent)
+    os.write(fd, b"weights")
+    os.close(fd)
+    os.replace(name, tmp)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o002])
+def test_written_files_and_directories_get_the_mode_of_a_plain_open_and_mkdir(tmp_path, mask):
+    with umask(mask):
+        (tmp_path / "plain").mkdir()
+        (tmp_path / "plain" / "open.txt").write_text("x")  # what a plain open(..., "w") / mkdir gives
+        config = write_file(tmp_path / "sub" / "config.yaml", "a: 1\n")
+        values = write_with(tmp_path / "values.jsonl", lambda tmp: tmp.write_text("{}\n"))
+        weights = write_with(tmp_path / "model.safetensors", mkstemp_writer)
+        with new_directory(tmp_path / "export") as building:
+            (building / "config.json").write_text("{}")
+            mkstemp_writer(building / "model.safetensors")
+            Path(tempfile.mkdtemp(dir=building)).rename(building / "nested")  # mkdtemp: 0700
+            mkstemp_writer(building / "nested" / "shard")
+            (building / "run.sh").write_text("#!/bin/sh\n")
+            (building / "run.sh").chmod(0o700)  # an executable stays executable, for whom the umask allows
+    file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
+    assert mode(tmp_path / "plain" / "open.txt") == file_mode and mode(tmp_path / "plain") == dir_mode
+    for path in (config, values, weights, *(tmp_path / "export" / n for n in ("config.json", "model.safetensors"))):
+        assert mode(path) == file_mode, path
+    assert mode(tmp_path / "export" / "nested" / "shard") == file_mode
+    assert mode(tmp_path / "export") == mode(tmp_path / "export" / "nested") == mode(tmp_path / "sub") == dir_mode
+    assert mode(tmp_path / "export" / "run.sh") == dir_mode
+    assert weights.read_bytes() == b"weights" and leftovers(tmp_path) == [] and leftovers(tmp_path / "export") == []
+
+
+def test_a_replaced_file_keeps_its_mode_as_with_a_plain_open(tmp_path):
+    """The user narrowed (or widened) a file's mode: rewriting it does not undo that, whatever the umask."""
+    target = tmp_path / "config.yaml"
+    write_file(target, "a: 1\n")
+    for kept in (0o600, 0o664):
+        target.chmod(kept)
+        with umask(0o022):
+            write_file(target, "a: 2\n")
+            write_with(target, mkstemp_writer)
+        assert mode(target) == kept and target.read_bytes() == b"weights" and leftovers(tmp_path) == []
+
+
+def test_an_hf_export_is_readable_as_the_umask_says(tmp_path):
+    """transformers' save_pretrained writes its shards through mkstemp (0600): the export still gets 0666 & ~umask."""
+    from conftest import tiny_config
+    from ppo_critic import build_value_model
+    from ppo_critic.checkpoint import export_hf
+
+    with umask(0o027):
+        export_hf(build_value_model(tiny_config("qwen2")), tmp_path / "hf")
+    files = sorted((tmp_path / "hf").iterdir())
+    assert "model.safetensors" in [f.name for f in files]
+    assert {f.name: mode(f) for f in files} == {f.name: 0o640 for f in files}
+    assert mode(tmp_path / "hf") == 0o750
 
 
 def test_a_full_disk_keeps_the_old_file_and_leaves_no_temporary_file(tmp_path):

@@ -47,11 +47,74 @@ def test_compiled_decoder_layers_give_the_eager_numbers():
     assert set(compiled.model.state_dict()) == set(worker().model.state_dict())  # names unchanged
 
 
-def test_fused_adamw_gives_the_foreach_update():
-    fused = worker(fused=True)
-    assert fused.optimizer.defaults["fused"] is True
-    values, _ = trained(fused)
-    torch.testing.assert_close(values, trained(worker())[0], rtol=1e-5, atol=1e-6)
+# Fused AdamW (one vectorised kernel) and the CPU default (one tensor at a time; torch uses foreach only on
+# accelerators) evaluate the same formula with different rounding: FMA or not, vector or scalar code, intermediates
+# kept or stored. With u = 2**-24 (float32 unit roundoff), per implementation and step t:
+# - the update lr·m̂/(√v̂ + eps) has an error <= (8 + 6t)·u·lr·C_t: the step's own ~7 roundings (casts of the scalars,
+#   √, ÷ bias correction, + eps, · step size, ÷) plus, carried in the moments, <= 3 roundings a step in m (lerp)
+#   and 4 in v, halved by the √ (old ones are damped by beta, not amplified). C_t bounds |m̂|/√v̂ and also
+#   Σ w_k |g_k| / √v̂, which scales the absolute error of m̂ when gradients cancel (Cauchy-Schwarz over the moment
+#   weights; 1 at t=1, 1.011 at t=5 for betas (0.9, 0.999)), whatever the gradients are;
+# - the parameter is rounded by the decay and by the subtraction: <= 2 ulp(p) <= 4·u·|p|.
+# Two implementations may err in opposite directions: their difference is at most twice the sum over the steps.
+# This holds on any IEEE-754 CPU as long as both see the same gradients, which is why the tests below keep them equal.
+UNIT_ROUNDOFF = 2.0**-24
+
+
+def update_ratio_bound(betas: tuple[float, float], t: int) -> float:
+    """C_t: max |m̂_t| / √v̂_t over all gradient sequences (Cauchy-Schwarz over the bias-corrected moment weights)."""
+    b1, b2 = betas
+    w1 = [(1 - b1) * b1 ** (t - k) / (1 - b1**t) for k in range(1, t + 1)]
+    w2 = [(1 - b2) * b2 ** (t - k) / (1 - b2**t) for k in range(1, t + 1)]
+    return sum(a * a / b for a, b in zip(w1, w2, strict=True)) ** 0.5
+
+
+def adamw_difference_bound(params: torch.Tensor, steps: int, group: dict) -> torch.Tensor:
+    """Per element: how far fused and default AdamW may end apart after `steps` steps from the same parameters with
+    the same gradients; `params` are the final ones (|p| was at most |p_T| + steps·max update along the way)."""
+    lr, betas = group["lr"], group["betas"]
+    updates = [lr * update_ratio_bound(betas, t) for t in range(1, steps + 1)]
+    update_error = sum(2 * (8 + 6 * t) * UNIT_ROUNDOFF * u for t, u in zip(range(1, steps + 1), updates, strict=True))
+    param_error = steps * 2 * 4 * UNIT_ROUNDOFF * (params.abs() + sum(updates))
+    return update_error + param_error
+
+
+def assert_within_adamw_rounding(fused: CriticWorker, default: CriticWorker, steps: int):
+    group = fused.optimizer.param_groups[0]
+    assert group["lr"] == default.optimizer.param_groups[0]["lr"] > 0
+    for (name, a), b in zip(fused.model.named_parameters(), default.model.parameters(), strict=True):
+        difference, bound = (a - b).abs(), adamw_difference_bound(b.detach(), steps, group)
+        assert (difference <= bound).all(), f"{name}: {(difference / bound).max():.2f} x the rounding bound"
+    initial = worker().model.parameters()
+    assert any(not torch.equal(a, b) for a, b in zip(fused.model.parameters(), initial, strict=True))  # it moved
+
+
+def test_fused_adamw_gives_the_default_update_in_update_critic():
+    """One `update_critic` step (one mini-batch): both see bit-identical gradients (same weights, same batch, one
+    thread), so only the optimizer's rounding may differ."""
+    fused, default = worker(fused=True), worker()
+    assert fused.optimizer.defaults["fused"] is True and not default.optimizer.defaults["fused"]
+    for w in (fused, default):
+        batch = make_batch(4, 6, 5, seed=0)
+        batch["values"] = w.compute_values(batch)
+        w.update_critic(batch)
+    assert_within_adamw_rounding(fused, default, steps=1)
+
+
+def test_fused_adamw_gives_the_default_update_over_steps():
+    """Later steps involve betas and bias corrections (step 1 is lr·g/(|g| + eps) whatever they are); the same
+    gradients are given to both optimizers, of magnitudes from 1e-9 (below eps) to 1 and of both signs."""
+    fused, default = worker(fused=True), worker()
+    g = torch.Generator().manual_seed(0)
+    steps = 5
+    for _ in range(steps):
+        for a, b in zip(fused.model.parameters(), default.model.parameters(), strict=True):
+            scale = 10 ** (torch.rand(a.shape, generator=g) * 9 - 9)
+            a.grad = torch.randn(a.shape, generator=g) * scale
+            b.grad = a.grad.clone()
+        fused.optimizer.step()
+        default.optimizer.step()
+    assert_within_adamw_rounding(fused, default, steps)
 
 
 def test_a_model_without_a_layer_stack_is_named():

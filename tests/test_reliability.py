@@ -319,7 +319,7 @@ def test_token_classification_head_for_an_architecture_without_one():
 def trained_run(tmp_path_factory):
     """A finished short run (checkpoints at steps 2 and 4, metrics, hf export) to point bad commands at."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    train(short_config(run, "trainer.tensorboard=false"), out=io.StringIO())
+    train(short_config(run, "trainer.logger=[console,jsonl]"), out=io.StringIO())
     return run
 
 
@@ -350,7 +350,7 @@ ROW = {"prompt_ids": [1, 2], "response_ids": [3, 4], "reward": 1.0}
 
 def _cli_cases(run: Path, tmp: Path) -> dict[str, tuple[list[str], str, bool]]:
     """case → (argv, message, whether config.yaml must stay as it was too)."""
-    short = [*SHORT, f"trainer.run_dir={run}", "trainer.tensorboard=false"]
+    short = [*SHORT, f"trainer.run_dir={run}", "trainer.logger=[console,jsonl]"]
     (tmp / "not-a-checkpoint").mkdir()
     wide = write_rows(tmp / "wide.jsonl", [{**ROW, "prompt_ids": [19, 2]}])
     huge = write_rows(tmp / "huge.jsonl", [ROW, {**ROW, "prompt_ids": [2**64]}])

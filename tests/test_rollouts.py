@@ -12,9 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
 
 from ppo_critic import rollouts
-from ppo_critic.rollouts import Rollout, collate, read_rollouts, write_values
+from ppo_critic.config import ModelConfig
+from ppo_critic.rollouts import Rollout, collate, read_rollouts, tokenizer_dir, write_values
 
 GOOD = {"prompt_ids": [1, 2], "response_ids": [3], "reward": 1.0}
 
@@ -115,8 +118,9 @@ def test_collate_rejects_bad_input():
 
 def test_numpy_scalars_and_arrays_are_accepted():
     row = {"prompt_ids": np.array([1, 2], dtype=np.int32), "response_ids": [np.int64(3)], "reward": np.float32(0.5)}
-    assert rollouts._parse_row(row, vocab_size=None) == Rollout([1, 2], [3], [0.5])
-    assert all(type(x) is int for x in rollouts._parse_row(row, None).prompt_ids)
+    no_tokenizer = rollouts.Tokenizer(None)
+    assert rollouts._parse_row(row, None, no_tokenizer) == Rollout([1, 2], [3], [0.5])
+    assert all(type(x) is int for x in rollouts._parse_row(row, None, no_tokenizer).prompt_ids)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -141,7 +145,10 @@ MALFORMED = {
         {**GOOD, "prompt_ids": [3, -1]},
         "field 'prompt_ids' must hold token ids in [0, 2**63), got -1 at element 1",
     ),
-    "ids-missing": ({"response_ids": [1], "reward": 0.0}, f"field 'prompt_ids' is missing; it {IDS}"),
+    "ids-missing": (
+        {"response_ids": [1], "reward": 0.0},
+        f"field 'prompt_ids' is missing; it {IDS} (or give field 'prompt' as text)",
+    ),
     "rewards-length": (
         {**GOOD, "reward": None, "token_level_rewards": [1.0, 2.0]},
         f"field 'token_level_rewards' {REWARDS} (the response has 1 token(s)), got 2 value(s)",
@@ -289,6 +296,199 @@ def test_unknown_extension(tmp_path, name):
         read_rollouts(path)
     with pytest.raises(ValueError, match="unsupported file extension"):
         write_values(path, [[1.0]])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text rows, tokenised with a local tokenizer directory
+
+
+WORDS = ["<pad>", "<s>", "</s>", "<unk>", "<user>", "<assistant>", "how", "are", "you", "fine", "thanks"]
+VOCAB = {word: i for i, word in enumerate([*WORDS, "what", "is", "two", "plus", "four", "?"])}
+# `<{role}>`: the rendered prompt shows that the prompt became a single *user* message.
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %} <assistant>{% endif %}"
+)
+TEXT_ROWS = [
+    {"prompt": "how are you", "response": "fine thanks", "token_level_rewards": [0.5, -1.0, 2.0]},
+    {"prompt": "what is two plus two ?", "response": "four", "reward": 1.0},
+    {"prompt": "how are you", "response": "fine </s>", "reward": -0.5},  # ends with EOS already: not doubled
+    {"prompt": "what is zzz ?", "response": "", "reward": 3.0},  # an unknown word; an empty answer is just EOS
+]
+# (prompt ids without a chat template: BOS + words; with TEMPLATE: <user> words <assistant>; response ids + EOS)
+TEXT_IDS = [
+    ([1, 6, 7, 8], [4, 6, 7, 8, 5], [9, 10, 2]),
+    ([1, 11, 12, 13, 14, 13, 16], [4, 11, 12, 13, 14, 13, 16, 5], [15, 2]),
+    ([1, 6, 7, 8], [4, 6, 7, 8, 5], [9, 2]),
+    ([1, 11, 12, 3, 16], [4, 11, 12, 3, 16, 5], [2]),
+]
+
+
+def save_tokenizer(directory: Path, vocab: dict[str, int] = VOCAB, chat_template: str | None = None, **special) -> str:
+    """A word-level tokenizer that puts BOS before plain text, saved like a model's tokenizer directory."""
+    tokens = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>", **special}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=tokens["unk_token"]))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **tokens)
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def plain_tokenizer(tmp_path_factory) -> str:
+    return save_tokenizer(tmp_path_factory.mktemp("plain"))
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory) -> str:
+    return save_tokenizer(tmp_path_factory.mktemp("chat"), chat_template=TEMPLATE)
+
+
+def id_rows(templated: bool) -> list[dict]:
+    """TEXT_ROWS with the text replaced by the token ids it must become."""
+    rows = []
+    for row, (plain, chat, response) in zip(TEXT_ROWS, TEXT_IDS, strict=True):
+        rest = {k: v for k, v in row.items() if k not in ("prompt", "response")}
+        rows.append({"prompt_ids": chat if templated else plain, "response_ids": response, **rest})
+    return rows
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    return write_jsonl(path, rows) if path.suffix == ".jsonl" else write_parquet(path, rows)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+@pytest.mark.parametrize("templated", [False, True], ids=["plain", "chat-template"])
+def test_text_rows_become_the_exact_token_ids(tmp_path, suffix, templated, plain_tokenizer, chat_tokenizer):
+    tokenizer = chat_tokenizer if templated else plain_tokenizer
+    got = read_rollouts(write_rows(tmp_path / f"text{suffix}", TEXT_ROWS), vocab_size=17, tokenizer=Path(tokenizer))
+    assert [(r.prompt_ids, r.response_ids) for r in got] == [(c if templated else p, r) for p, c, r in TEXT_IDS]
+    # Rewards are read after tokenisation, against the response with its EOS: a scalar lands on the EOS token.
+    assert [r.token_level_rewards for r in got] == [[0.5, -1.0, 2.0], [0.0, 1.0], [0.0, -0.5], [3.0]]
+    expected = read_rollouts(write_rows(tmp_path / f"ids{suffix}", id_rows(templated)))
+    assert got == expected
+    for key, tensor in collate(expected, pad_token_id=PAD).items():
+        assert torch.equal(collate(got, pad_token_id=PAD)[key], tensor), key
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_file_may_mix_id_rows_text_rows_and_sides(tmp_path, suffix, chat_tokenizer):
+    ids = id_rows(templated=True)
+    half_text = {"prompt": TEXT_ROWS[1]["prompt"], "response_ids": ids[1]["response_ids"], "reward": 1.0}
+    mixed = [TEXT_ROWS[0], half_text, ids[2], TEXT_ROWS[3]]
+    got = read_rollouts(write_rows(tmp_path / f"mixed{suffix}", mixed), tokenizer=chat_tokenizer)
+    assert got == read_rollouts(write_rows(tmp_path / f"ids{suffix}", ids))
+
+
+def test_tokenizer_is_loaded_once_and_only_for_text(tmp_path, monkeypatch, plain_tokenizer):
+    loads: list[str] = []
+    real = rollouts._load_tokenizer
+    monkeypatch.setattr(rollouts, "_load_tokenizer", lambda directory: loads.append(directory) or real(directory))
+    ids_only = write_jsonl(tmp_path / "ids.jsonl", id_rows(templated=False))
+    assert len(read_rollouts(ids_only, tokenizer=tmp_path / "no-such-dir")) == 4
+    assert loads == []
+    assert len(read_rollouts(write_jsonl(tmp_path / "text.jsonl", TEXT_ROWS), tokenizer=plain_tokenizer)) == 4
+    assert loads == [plain_tokenizer]
+
+
+def test_tokenizer_without_eos_appends_nothing(tmp_path):
+    tokenizer = save_tokenizer(tmp_path / "tok", eos_token=None)
+    path = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "how", "response": "fine thanks", "reward": 1.0}])
+    assert read_rollouts(path, tokenizer=tokenizer) == [Rollout([1, 6], [9, 10], [0.0, 1.0])]
+    path = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "how", "response": "", "reward": 1.0}])
+    with pytest.raises(ValueError) as info:
+        read_rollouts(path, tokenizer=tokenizer)
+    assert (
+        str(info.value) == f"{path}: row 1: field 'response' must be text that tokenises to at least one token, got ''"
+    )
+
+
+NEEDS_TOKENIZER = (
+    "field 'prompt' is text, which needs a tokenizer: set critic.model.tokenizer_path=DIR (a local tokenizer "
+    "directory; library: read_rollouts(..., tokenizer=DIR)), or give 'prompt_ids'"
+)
+TEXT_MALFORMED = {
+    "both-prompt": (
+        {**TEXT_ROWS[0], "prompt_ids": [1, 2]},
+        "fields 'prompt_ids' and 'prompt' are both given, so the prompt is ambiguous; keep one: 'prompt_ids' "
+        "(token ids) or 'prompt' (text to tokenise)",
+    ),
+    "both-response": (
+        {**GOOD, "response": "fine"},
+        "fields 'response_ids' and 'response' are both given, so the response is ambiguous; keep one: "
+        "'response_ids' (token ids) or 'response' (text to tokenise)",
+    ),
+    "not-a-string": (
+        {**TEXT_ROWS[1], "prompt": ["how"]},
+        "field 'prompt' must be a string (text to tokenise), got ['how']",
+    ),
+    "rewards-length": (
+        {**TEXT_ROWS[0], "token_level_rewards": [0.5, -1.0]},
+        f"field 'token_level_rewards' {REWARDS} (the response has 3 token(s)), got 2 value(s)",
+    ),
+    "outside-vocab": (
+        {"prompt": "how are you", "response": "fine four", "reward": 1.0},
+        "field 'response' is tokenised to id 15 at token 1, outside [0, vocab_size=11): the tokenizer does not "
+        "match the model (set critic.model.tokenizer_path to the model's tokenizer)",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(TEXT_MALFORMED))
+def test_malformed_text_row(tmp_path, kind, plain_tokenizer):
+    row, message = TEXT_MALFORMED[kind]
+    path = write_jsonl(tmp_path / "rollouts.jsonl", [GOOD, "", row, TEXT_ROWS[2]])
+    with pytest.raises(ValueError) as info:
+        read_rollouts(path, vocab_size=11, tokenizer=plain_tokenizer)
+    assert str(info.value) == f"{path}: row 3: {message}"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_text_without_a_tokenizer_names_row_field_and_fix(tmp_path, suffix):
+    ids = id_rows(templated=False)
+    path = write_rows(tmp_path / f"r{suffix}", [ids[0], ids[1], TEXT_ROWS[2]])
+    with pytest.raises(ValueError) as info:
+        read_rollouts(path)
+    assert str(info.value) == f"{path}: row 3: {NEEDS_TOKENIZER}"
+    assert len(read_rollouts(path, tokenizer=save_tokenizer(tmp_path / "tok"))) == 3
+
+
+def test_word_the_tokenizer_cannot_encode(tmp_path):
+    vocab = {word: i for i, word in enumerate(WORDS) if word != "<unk>"}
+    tokenizer = save_tokenizer(tmp_path / "tok", vocab, unk_token=None)
+    path = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "how are you", "response": "fine zzz", "reward": 1.0}])
+    with pytest.raises(ValueError, match=r"r\.jsonl: row 1: field 'response' could not be tokenised \(.*UNK"):
+        read_rollouts(path, tokenizer=tokenizer)
+
+
+def test_tokenizer_directory_that_cannot_be_loaded(tmp_path):
+    path = write_jsonl(tmp_path / "r.jsonl", TEXT_ROWS)
+    missing = tmp_path / "missing"
+    with pytest.raises(ValueError, match=f"tokenizer directory {missing} does not exist or is not a directory"):
+        read_rollouts(path, tokenizer=missing)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=f"could not load a tokenizer from {tmp_path / 'empty'} "):
+        read_rollouts(path, tokenizer=tmp_path / "empty")
+
+
+def test_parquet_text_columns(tmp_path):
+    path = write_parquet(tmp_path / "r.parquet", [{"prompt": "how", "response": [3], "reward": 1.0}])
+    with pytest.raises(
+        ValueError, match=r"r\.parquet: column 'response' must have Parquet/Arrow type string, got list<"
+    ):
+        read_rollouts(path)
+    path = write_parquet(tmp_path / "r.parquet", [{"response": "fine", "reward": 1.0}])
+    with pytest.raises(ValueError, match=r"missing column\(s\) 'prompt_ids' or 'prompt'; the file has columns"):
+        read_rollouts(path)
+
+
+def test_tokenizer_dir_prefers_tokenizer_path_then_model_path():
+    assert tokenizer_dir(ModelConfig()) is None
+    assert tokenizer_dir(ModelConfig(path="/models/m")) == "/models/m"
+    assert tokenizer_dir(ModelConfig(path="/models/m", tokenizer_path="/tok")) == "/tok"
+    assert tokenizer_dir(ModelConfig(tokenizer_path="/tok")) == "/tok"
 
 
 # ---------------------------------------------------------------------------------------------------------------

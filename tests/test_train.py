@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import exported_values
+from conftest import exported_values, without_timings
 from ppo_critic import train as train_mod
 from ppo_critic.checkpoint import latest_checkpoint
 from ppo_critic.cli import load_config
@@ -92,8 +92,7 @@ def test_resume_is_bit_identical_and_ignores_incomplete_checkpoints(tmp_path, mo
     rows_a = (straight / "metrics.jsonl").read_text().splitlines()
     rows_b = (resumed / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows_b] == [1, 2, 3, 4]
-    strip = [{k: v for k, v in json.loads(r).items() if not k.startswith("perf/")} for r in rows_a]
-    assert strip == [{k: v for k, v in json.loads(r).items() if not k.startswith("perf/")} for r in rows_b]
+    assert [without_timings(json.loads(r)) for r in rows_a] == [without_timings(json.loads(r)) for r in rows_b]
 
 
 def test_export_loads_with_from_pretrained_and_gives_the_same_values(tmp_path):
@@ -129,18 +128,69 @@ def test_generic_head_export_round_trips(tmp_path):
     assert reloaded.score.weight.abs().sum() > 0
 
 
-def test_training_on_a_rollout_file(tmp_path):
-    rows = []
+def write_rollout_file(path, count: int) -> list[dict]:
+    """`count` rows whose first prompt token is the row number (so a row can be recognised in a batch)."""
     g = torch.Generator().manual_seed(0)
-    for i in range(12):
-        prompt = torch.randint(0, 20, (2 + i % 3,), generator=g).tolist()
+    rows = []
+    for i in range(count):
+        prompt = [i, *torch.randint(0, 20, (1 + i % 3,), generator=g).tolist()]
         response = torch.randint(0, 20, (1 + i % 5,), generator=g).tolist()
         rows.append({"prompt_ids": prompt, "response_ids": response, "reward": float(i % 2)})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def first_tokens(batch) -> set[int]:
+    """The row numbers of `write_rollout_file` rows in a collated (left-padded) batch."""
+    prompt = batch["input_ids"][:, : -batch["responses"].shape[1]]
+    mask = batch["attention_mask"][:, : prompt.shape[1]]
+    return {int(row[m.bool()][0]) for row, m in zip(prompt, mask, strict=True)}
+
+
+def test_held_out_split_is_seeded_disjoint_and_never_empties_the_training_set():
+    rows = list(range(20))
+    held, kept = train_mod.held_out_split(rows, 0.1, seed=3)
+    assert len(held) == 2 and sorted(held + kept) == rows and held == sorted(held) and kept == sorted(kept)
+    assert train_mod.held_out_split(rows, 0.1, seed=3) == (held, kept)  # the same seed holds out the same rows
+    assert train_mod.held_out_split(rows, 0.1, seed=4)[0] != held
+    assert len(train_mod.held_out_split(rows, 0.01, seed=0)[0]) == 1  # a positive fraction holds out >= 1 row
+    assert train_mod.held_out_split(rows, 0.0, seed=0) == ([], rows)
+    with pytest.raises(ValueError, match=r"trainer.eval_fraction=0.99 leaves no training rows of the 20"):
+        train_mod.held_out_split(rows, 0.99, seed=0)
+
+
+def test_a_rollout_file_run_never_trains_on_its_evaluation_rows(tmp_path):
     data = tmp_path / "rollouts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    metrics = train(short_config(tmp_path / "run", f"data={data}"), out=io.StringIO())
+    write_rollout_file(data, 20)
+    source = train_mod.FileSource(short_config(tmp_path / "run", f"data={data}", "trainer.eval_fraction=0.25"))
+    held_out = first_tokens(source.eval_batch)
+    assert len(held_out) == 5 and len(source.rows) == 15
+    trained = set().union(*(first_tokens(source.next_batch()) for _ in range(4)))  # 32 rows: a full cycle
+    assert trained == set(range(20)) - held_out
+    assert source.eval_name == (f"5 rows of {data} held out (eval_fraction=0.25, seed 0; never trained on)")
+    other = tmp_path / "eval.jsonl"
+    write_rollout_file(other, 3)
+    source = train_mod.FileSource(short_config(tmp_path / "run", f"data={data}", f"trainer.eval_data={other}"))
+    assert len(source.rows) == 20 and first_tokens(source.eval_batch) == {0, 1, 2}
+    assert source.eval_name == f"3 rows of eval_data={other}"
+
+
+def test_training_on_a_rollout_file(tmp_path):
+    data = tmp_path / "rollouts.jsonl"
+    write_rollout_file(data, 12)
+    out = io.StringIO()
+    metrics = train(short_config(tmp_path / "run", f"data={data}"), out=out)
     assert "eval/ev_returns" in metrics and "eval/ev_true" not in metrics
+    assert f"on 2 rows of {data} held out" in out.getvalue().splitlines()[-1]  # the summary names the set
     assert len(read_rollouts(data)) == 12
+    out = io.StringIO()
+    metrics = train(short_config(tmp_path / "none", f"data={data}", "trainer.eval_fraction=0"), out=out)
+    assert not any(key.startswith("eval/") for key in metrics)  # no evaluation set: no evaluation
+    assert out.getvalue().splitlines()[-1].startswith("done at step 4 | vf_loss ")
+    out = io.StringIO()
+    again = train(short_config(tmp_path / "run", f"data={data}"), out=out)  # already complete: nothing to do
+    assert out.getvalue().splitlines()[-1].startswith("run complete at step 4 | vf_loss ")
+    assert again.keys() >= {"critic/vf_loss", "eval/ev_returns"}
 
 
 def test_evaluate_is_perfect_for_a_critic_that_outputs_the_truth(tmp_path):

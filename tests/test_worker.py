@@ -44,6 +44,18 @@ def test_per_rank_config_divides_global_sizes():
         per_rank_config(CriticConfig(ppo_mini_batch_size=16), dp_size=3)
 
 
+def test_per_rank_micro_batches_follow_verls_worker():
+    """No micro-batch size: one micro-batch per rank's mini-batch, at any DP size that divides the global batch;
+    a per-GPU size larger than a rank's share is refused naming the key the user set and the sizes involved."""
+    for dp in (1, 2, 4, 8):
+        assert per_rank_config(CriticConfig(ppo_mini_batch_size=96), dp).micro_batch_sizes() == (96 // dp, 96 // dp)
+    msg = r"critic.ppo_micro_batch_size_per_gpu=96 does not divide the per-GPU mini-batch of 48 rows .*over 2"
+    with pytest.raises(ValueError, match=msg):
+        per_rank_config(CriticConfig(ppo_mini_batch_size=96, ppo_micro_batch_size_per_gpu=96), dp_size=2)
+    with pytest.raises(ValueError, match=r"critic.ppo_micro_batch_size=12 does not divide .* of 8 rows"):
+        per_rank_config(CriticConfig(ppo_mini_batch_size=16, ppo_micro_batch_size=12), dp_size=2)
+
+
 def test_each_rank_takes_its_share_of_every_mini_batch_and_of_a_short_last_one():
     """Rows of a global batch of 10 in mini-batches of 4 over 2 ranks: 2 of each full block, 1 of the short one."""
     shares = [CriticWorker._shard(_rank_view(rank, 2), 10, 4).tolist() for rank in (0, 1)]

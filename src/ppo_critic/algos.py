@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-VF_LOSS_TYPES = ("mse", "huber")
+from ppo_critic.modes import LOSS_AGG_MODES, VF_LOSS_TYPES
 
 
 def _masked(x: Tensor, mask: Tensor) -> Tensor:

@@ -42,24 +42,44 @@ class BenchConfig:
     `response` (right-padded), lengths uniform around `fill` of the padded widths."""
 
     paths: str = "padded,packed"
+    """comma-separated paths: padded (the baseline), packed, megatron; each optionally with levers dyn, fused,
+    compile joined by + (e.g. packed+dyn+fused)"""
     device: str = "auto"
+    """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
     dtype: str | None = None
+    """compute dtype (bfloat16, float16, float32); null: bfloat16 on CUDA, float32 on CPU"""
     layers: int = 0
+    """decoder layers; 0: 24 on CUDA (Qwen2.5-0.5B), 4 on CPU"""
     hidden: int = 0
+    """hidden size; 0: 896 on CUDA, 256 on CPU"""
     heads: int = 0
+    """attention heads; 0: 14 on CUDA, 4 on CPU"""
     kv_heads: int = 0
+    """key/value heads; 0: 2"""
     intermediate: int = 0
+    """MLP size; 0: 4864 on CUDA, 4 × hidden on CPU"""
     vocab: int = 0
+    """vocabulary size; 0: 151936 on CUDA, 1024 on CPU"""
     batch: int = 0
+    """rollouts per call; 0: 32 on CUDA, 16 on CPU"""
     prompt: int = 0
+    """padded prompt width (left-padded); 0: 512 on CUDA, 256 on CPU"""
     response: int = 0
+    """padded response width (right-padded); 0: 1024 on CUDA, 512 on CPU"""
     fill: float = 0.5
+    """valid lengths are uniform around this fraction of the padded widths, in (0, 1]"""
     micro: int = 0
+    """rows per micro-batch; 0: 8 on CUDA, 4 on CPU"""
     budget: int = 0
+    """tokens per micro-batch of the dyn lever; 0: twice a fixed micro-batch's padded tokens"""
     repeats: int = 3
+    """measured rounds per path after one warm-up round (the report gives medians)"""
     profile: bool = False
+    """add the top operators of one update_critic per path (torch.profiler)"""
     seed: int = 0
+    """seed of the weights and of the rollouts (the same for every path)"""
     out: str | None = None
+    """also write the report as JSON to this file; null: print it only"""
 
     def resolved(self) -> BenchConfig:
         """The config with the device defaults filled in (checked)."""
@@ -223,15 +243,18 @@ def report(summary: dict[str, Any]) -> str:
         f"{summary['device']}, torch {summary['torch']}, {cfg['dtype']}; {cfg['layers']} layers x {cfg['hidden']}, "
         f"{cfg['batch']} x ({cfg['prompt']} + {cfg['response']}), fill {summary['fill']:.2f}, "
         f"{summary['valid_tokens']} valid tokens",
+        "values = compute_values, update = update_critic; tok/s counts valid tokens; x padded = tok/s / padded's",
         f"{'path':10} {'values tok/s':>13} {'update tok/s':>13} {'values MFU':>11} {'update MFU':>11} "
-        f"{'peak GiB':>9} {'vs padded':>16}",
+        f"{'peak GiB':>9} {'values x padded':>16} {'update x padded':>16}",
     ]
     for path, m in summary["median"].items():
         ratio = summary["vs_padded"].get(path)
-        vs = f"{ratio['compute_values']:.2f}x / {ratio['update_critic']:.2f}x" if ratio else "-"
+        values_vs, update_vs = (
+            (f"{ratio[k]:.2f}x" for k in ("compute_values", "update_critic")) if ratio else ("-", "-")
+        )
         lines.append(
             f"{path:10} {m['compute_values']:>13.0f} {m['update_critic']:>13.0f} {m['compute_values_mfu']:>11.3f} "
-            f"{m['update_critic_mfu']:>11.3f} {m['peak_gb']:>9.2f} {vs:>16}"
+            f"{m['update_critic_mfu']:>11.3f} {m['peak_gb']:>9.2f} {values_vs:>16} {update_vs:>16}"
         )
     for path, ops in summary.get("profile", {}).items():
         top = "; ".join(f"{o['op']} {o['share']:.0%}" for o in ops[:5])

@@ -1,22 +1,21 @@
 """`ppo-critic` (also `python -m ppo_critic`): train, values, bench, export.
 
 Configs are YAML files plus `key=value` overrides (OmegaConf dot-list) over the built-in defaults of
-`ppo_critic.train.TrainConfig`. Bad options exit with code 2 and a message that names the key.
+`ppo_critic.train_config.TrainConfig`. Bad options exit with code 2 and a message that names the key. Help, the
+version and option errors never import torch: the commands import what they run when they run.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import pickle
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
-from ppo_critic.bench import BenchConfig
-from ppo_critic.rundir import check_output, is_run_dir
-from ppo_critic.train import Interrupted, TrainConfig
+from ppo_critic import options
+from ppo_critic.train_config import TrainConfig
 
 EXAMPLES = """examples:
   ppo-critic train                                   # the built-in counting task, tiny model, runs/default
@@ -32,13 +31,14 @@ EXAMPLES = """examples:
 critic.megatron.K=V. Runs of the megatron backend are resumed, exported and evaluated under torchrun with the
 layout (world size, TP, PP) they were trained with.
 """
+OPTIONS_TITLE = "options (key=value; the default, then what it does):"
 ALIASES = {"backend": "critic.strategy", "megatron.": "critic.megatron."}
 # what a saved config may not decide: options that import or run code (only this command line sets them)
 CODE_FREE = {"trust_remote_code": False, "external_lib": None}
 
 
 # a missing module -> the extra that installs it
-EXTRAS = {"megatron": "megatron", "peft": "lora", "verl": "verl"}
+EXTRAS = {"megatron": "megatron", "peft": "lora", "verl": "verl", "wandb": "wandb", "mlflow": "mlflow"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a kill (e.g. a scheduler's) ends like Ctrl-C
     try:
         return args.run(args)
-    except (ValueError, TypeError, OSError, pickle.UnpicklingError, Interrupted) as err:  # options, files, disks
+    except (ValueError, TypeError, OSError, pickle.UnpicklingError) as err:  # options, files, disks
         args.subparser.error(str(err))  # exits with code 2
     except KeyboardInterrupt:
         args.subparser.error("interrupted; nothing partial was written")
@@ -77,17 +77,24 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command")
-    options = "options (key=value, defaults shown):\n" + "\n".join(f"  {line}" for line in _option_lines())
+    train_options = options.render_help(options.train_options(TrainConfig()), options.HELP_SECTIONS)
     train = sub.add_parser(
         "train",
         help="train a critic on the built-in task or a rollout file",
         description="Train a critic. Writes config.yaml, metrics.jsonl, tensorboard/, curves.png, checkpoints/ "
         "and hf/ under trainer.run_dir; trainer.resume=auto continues from the newest complete checkpoint.",
-        epilog=options,
+        epilog=f"{OPTIONS_TITLE}\n\n{train_options}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", type=Path, help="a YAML file of options (applied before the overrides)")
+    train.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the options this command would train with, as YAML with what each does, and exit "
+        "(without options: configs/default.yaml)",
+    )
     train.add_argument(
         "--overwrite",
         action="store_true",
@@ -110,8 +117,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Valid tokens/s, MFU and peak memory of compute_values and update_critic for each path, and "
         "the ratio to the padded HF baseline measured in the same run. Defaults: the Qwen2.5-0.5B shape and "
         "32 x (512 + 1024) rollouts in bf16 on CUDA; a small model in fp32 on CPU.",
-        epilog="options (key=value): "
-        + " ".join(f"{f.name}={_shown(f.default)}" for f in dataclasses.fields(BenchConfig)),
+        epilog=f"{OPTIONS_TITLE}\n{options.render_help(options.bench_options())}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. paths=padded,packed layers=4")
     bench.set_defaults(run=_bench, subparser=bench)
@@ -162,11 +169,16 @@ def _expand_alias(override: str) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ppo_critic.train import train
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(options.render_yaml(cfg), end="")
+        return 0
+    from ppo_critic.train import Interrupted, train
 
-    metrics = train(load_config(args.config, args.overrides), overwrite=args.overwrite)
-    summary = {k: round(v, 4) for k, v in metrics.items() if k.startswith("eval/")}
-    print(f"done: {summary}")
+    try:
+        train(cfg, overwrite=args.overwrite)  # the trainer reports (on rank 0)
+    except Interrupted as err:
+        args.subparser.error(str(err))
     return 0
 
 
@@ -178,7 +190,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _values(args: argparse.Namespace) -> int:
-    from ppo_critic.rollouts import collate, read_rollouts, write_values
+    from ppo_critic.rollouts import collate, read_rollouts, tokenizer_dir, write_values
+    from ppo_critic.rundir import check_output, is_run_dir
 
     pairs = dict(o.split("=", 1) for o in args.overrides if o.split("=", 1)[0] in ("data", "out"))
     if "data" not in pairs or "out" not in pairs:
@@ -189,7 +202,8 @@ def _values(args: argparse.Namespace) -> int:
     rest = [o for o in args.overrides if o.split("=", 1)[0] not in ("data", "out")]
     worker, cfg = _worker_for(args.source, rest)
     text_config = worker.hf_config.get_text_config()
-    rows = read_rollouts(data, vocab_size=getattr(text_config, "vocab_size", None))
+    vocab_size = getattr(text_config, "vocab_size", None)
+    rows = read_rollouts(data, vocab_size=vocab_size, tokenizer=tokenizer_dir(cfg.critic.model))
     chunk = cfg.trainer.rollout_batch_size
     values: list[list[float]] = []
     for start in range(0, len(rows), chunk):
@@ -202,6 +216,8 @@ def _values(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from ppo_critic.rundir import check_output, is_run_dir
+
     if not is_run_dir(args.run_dir):
         raise FileNotFoundError(f"{args.run_dir} is not a run directory (no config.yaml)")
     aside = check_output(args.out_dir, "directory", inputs=[], run_dirs=[args.run_dir], force=args.force)
@@ -222,6 +238,7 @@ def _worker_for(source: Path, overrides: list[str]) -> tuple[Any, TrainConfig]:
     from omegaconf import OmegaConf
 
     from ppo_critic.checkpoint import latest_checkpoint
+    from ppo_critic.rundir import is_run_dir
     from ppo_critic.train import make_worker
 
     if is_run_dir(source):
@@ -240,23 +257,27 @@ def _worker_for(source: Path, overrides: list[str]) -> tuple[Any, TrainConfig]:
     return make_worker(cfg), cfg
 
 
-def _option_lines(obj: Any = None, prefix: str = "") -> list[str]:
-    """`key=default` for every option of TrainConfig, nested keys dotted."""
-    obj = TrainConfig() if obj is None else obj
-    lines = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if f.name == "task" and not prefix:
-            lines += [f"task.name={value.get('name', 'counting')}", *_option_lines(obj.task_config(), "task.")]
-        elif dataclasses.is_dataclass(value):
-            lines += _option_lines(value, f"{prefix}{f.name}.")
-        else:
-            lines.append(f"{prefix}{f.name}={_shown(value)}")
-    return lines
+class _Version(argparse.Action):
+    """`--version`: prints `ppo-critic <version>` and exits 0, looking the version up only then."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(f"ppo-critic {version()}")
+        parser.exit()
 
 
-def _shown(value: Any) -> Any:
-    return "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+def version() -> str:
+    """The installed distribution's version, else the source tree's `ppo_critic.__version__`."""
+    import importlib.metadata  # a few tens of ms: only when asked
+
+    try:
+        return importlib.metadata.version("ppo-critic")
+    except importlib.metadata.PackageNotFoundError:
+        from ppo_critic import __version__
+
+        return __version__
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ppo_critic import verl_config
-from ppo_critic.algos import LOSS_AGG_MODES, VF_LOSS_TYPES
-from ppo_critic.value_norm import VALUE_NORM_MODES
+from ppo_critic.modes import LOSS_AGG_MODES, VALUE_NORM_MODES, VF_LOSS_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +47,31 @@ MODEL_SIZES = (
 
 @dataclass
 class OptimConfig:
-    """Optimizer and LR-schedule settings (used by the worker that builds the optimizer). `optimizer`: `adamw`,
-    or `sgd` (plain, no momentum: the update is the gradient, which makes layouts comparable exactly)."""
+    """Optimizer and LR-schedule settings (used by the worker that builds the optimizer); the schedule counts
+    updates (`update_critic` calls)."""
 
     optimizer: str = "adamw"
+    """adamw, or sgd (plain, no momentum: the update is the gradient, which makes layouts comparable exactly)"""
     lr: float = 1e-5
+    """learning rate (after warmup)"""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (β1, β2): decay rates of its moving averages of the gradient and its square"""
     eps: float = 1e-8
+    """AdamW's ε (added to the denominator for numerical stability)"""
     weight_decay: float = 0.01
+    """weight decay (AdamW: decoupled; SGD: an L2 term in the gradient)"""
     lr_warmup_steps: int = -1
+    """linear warmup over this many updates; <= 0: lr_warmup_steps_ratio decides (verl)"""
     lr_warmup_steps_ratio: float = 0.0
+    """warmup as a fraction of total_training_steps, when lr_warmup_steps <= 0 (verl)"""
     total_training_steps: int = -1
+    """updates the LR schedule spans; <= 0: the trainer's step count (verl's trainer fills it in)"""
     warmup_style: str = "constant"
+    """after warmup: constant, or cosine decay to min_lr_ratio × lr at total_training_steps (verl's name)"""
     min_lr_ratio: float | None = None
-    fused: bool | None = None  # AdamW's fused kernel: true / false, or null for torch's default (foreach)
+    """the floor of the cosine decay, as a fraction of lr; null: 0 (verl)"""
+    fused: bool | None = None
+    """AdamW's fused kernel: true / false, or null for torch's default (foreach)"""
 
 
 @dataclass
@@ -69,23 +79,44 @@ class ModelConfig:
     """How the value model is built (`ppo_critic.build_value_model`) and run."""
 
     path: str | None = None
+    """an HF model directory (its weights are loaded when present); null: a new model from override_config (verl)"""
     tokenizer_path: str | None = None
+    """verl's tokenizer location; accepted, not read (the critic reads token ids)"""
     override_config: dict = field(default_factory=dict)
+    """HF config fields over the model's config (verl); with path null, the whole config (model_type, sizes)"""
     external_lib: str | None = None
+    """a module imported before the model is built, e.g. to register an architecture (verl); runs code"""
     trust_remote_code: bool = False
+    """let transformers run the model directory's own code (verl); never read from a run's saved config"""
     use_remove_padding: bool = False
+    """pack each micro-batch's valid tokens into one row (varlen attention) instead of padding (verl)"""
     enable_gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory (verl)"""
     enable_activation_offload: bool = False
+    """verl's activation offload to the CPU; not supported (false; use enable_gradient_checkpointing)"""
     use_shm: bool = False
+    """verl: load the model through shared memory; accepted, not read"""
     fsdp_config: dict = field(default_factory=dict)
+    """verl's FSDP section; read here: param_offload, optimizer_offload (FSDP2 CPU offload), the rest is verl's"""
     lora_rank: int = 0
+    """LoRA rank: only adapters and the value head train; 0: the full model (verl; pip install 'ppo-critic[lora]')"""
     lora_alpha: int = 16
+    """LoRA's scaling α (verl)"""
     target_modules: Any = "all-linear"
+    """the modules that get LoRA adapters: all-linear or a list of module names (verl)"""
     head: str = "auto"
+    """auto (TokenClassification when the architecture has one, else generic), token_classification, generic
+    (any backbone + a Linear(hidden, 1) head)"""
     value_head_init: str = "default"
+    """how a head the checkpoint lacks starts: default, zero, normal:<std>, or from_reward_model:<dir> (backbone
+    and head of a reward model)"""
     value_head_dtype: str | None = None
+    """dtype of the value head, e.g. float32 to keep it in fp32 under bf16 autocast; null: the model's"""
     attn_implementation: str | None = None
-    use_torch_compile: bool = False  # torch.compile each decoder layer (ppo_critic.models.compile)
+    """transformers' attention (sdpa, eager, flash_attention_2, ...); null: transformers' choice, and with
+    use_remove_padding ppo-critic's varlen attention"""
+    use_torch_compile: bool = False
+    """torch.compile each decoder layer (ppo_critic.models.compile)"""
 
 
 @dataclass
@@ -93,15 +124,25 @@ class MegatronConfig:
     """The megatron-core layout (verl's `critic.megatron` section), read when `strategy` is `megatron`."""
 
     tensor_model_parallel_size: int = 1
+    """tensor parallel degree (TP)"""
     pipeline_model_parallel_size: int = 1
+    """pipeline parallel degree (PP): the number of stages the layers are split into"""
     virtual_pipeline_model_parallel_size: int | None = None
+    """model chunks per pipeline stage (interleaved schedule; needs PP > 2); null: 1"""
     context_parallel_size: int = 1
+    """context parallel degree; must be 1 (context parallelism needs transformer-engine)"""
     sequence_parallel: bool = False
+    """megatron's sequence parallelism along TP; not supported (false; it needs transformer-engine)"""
     use_distributed_optimizer: bool = True
+    """shard the optimizer state over the data-parallel ranks (megatron's distributed optimizer; Adam only)"""
     seed: int = 42
+    """seed of megatron's model-parallel random state"""
     param_offload: bool = False
+    """verl: keep parameters on the CPU between uses; not supported by this backend yet (false)"""
     grad_offload: bool = False
+    """verl: keep gradients on the CPU between uses; not supported by this backend yet (false)"""
     optimizer_offload: bool = False
+    """verl: keep the optimizer state on the CPU between uses; not supported by this backend yet (false)"""
 
     def errors(self) -> list[str]:
         errors = _positive_int_errors(
@@ -129,34 +170,68 @@ class CriticConfig:
     """The critic section of a verl config. Batch sizes are per data-parallel rank (verl's convention)."""
 
     strategy: str = "fsdp2"
+    """how the model is wrapped: fsdp2, fsdp (FSDP1), ddp, none (one process, no wrapper) or megatron"""
     ppo_mini_batch_size: int = 256
+    """prompts per optimizer step (verl: × rollout_n responses, over all data-parallel ranks together)"""
     ppo_micro_batch_size: int | None = None
+    """verl's deprecated global micro-batch size, divided over the data-parallel ranks; null: per_gpu decides"""
     ppo_micro_batch_size_per_gpu: int | None = None
+    """rows per forward + backward pass on each rank (gradients accumulate over a mini-batch); null: the whole
+    mini-batch at once"""
     forward_micro_batch_size: int | None = None
+    """verl's deprecated global micro-batch size of compute_values; null: forward_micro_batch_size_per_gpu decides"""
     forward_micro_batch_size_per_gpu: int | None = None
+    """rows per forward pass of compute_values on each rank; null: the training micro-batch size"""
     use_dynamic_bsz: bool = False
+    """micro-batches by a token budget (the *_max_token_len_per_gpu options) instead of a number of rows (verl)"""
     ppo_max_token_len_per_gpu: int = 32768
+    """with use_dynamic_bsz: tokens per training micro-batch on each rank (verl)"""
     forward_max_token_len_per_gpu: int | None = None
+    """with use_dynamic_bsz: tokens per compute_values micro-batch on each rank; null: ppo_max_token_len_per_gpu"""
     ppo_epochs: int = 1
+    """passes over the batch of each update_critic call (verl)"""
     shuffle: bool = False
+    """shuffle the rows before splitting them into mini-batches, every epoch (needs data_loader_seed; verl)"""
     data_loader_seed: int | None = None
+    """seed of that shuffle, the same on every rank (verl)"""
     cliprange_value: float | None = 0.5
+    """PPO value clipping: the loss is the larger error of the new value and of it clipped to old ± this; null:
+    off (verl)"""
     loss_agg_mode: str = "token-mean"
+    """how token losses are averaged: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm
+    (verl)"""
     loss_scale_factor: float | None = None
+    """the divisor of seq-mean-token-sum-norm's per-sequence sums; null: the response width (verl)"""
     vf_loss_type: str = "mse"
+    """mse, or huber (quadratic within huber_delta of the return, linear beyond)"""
     huber_delta: float = 1.0
-    value_norm: str | bool = "off"  # a bare `off` in YAML / on the command line reads as false: the same
-    ema_decay: float = 0.0  # > 0: compute_values uses a moving average of the weights (ppo_critic.ema)
+    """δ of the huber loss"""
+    value_norm: str | bool = "off"
+    """off; running (the model predicts returns normalised by their running mean and std); popart (running, and
+    the head is rescaled when the statistics move). A bare off in YAML reads as false, the same"""
+    ema_decay: float = 0.0
+    """> 0: compute_values (and the HF export) use a moving average of the weights with this decay; 0: off"""
     grad_clip: float | None = 1.0
+    """clip the gradients' global norm to this; null: no clipping (verl)"""
     ulysses_sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism: each sequence split over this many ranks (needs model.use_remove_padding;
+    verl)"""
     dtype: str | None = None
+    """compute dtype: bfloat16, float16 or float32; null: bf16 autocast on CUDA, fp32 on CPU"""
     rollout_n: int = 1
+    """responses per prompt (verl's actor_rollout_ref.rollout.n); ppo_mini_batch_size counts prompts"""
     enable: bool | None = None
+    """verl's switch for using a critic (null: the algorithm decides); accepted, not read"""
     checkpoint: dict = field(default_factory=dict)
+    """verl's checkpoint section (save_contents, load_contents); accepted, not read"""
     profiler: dict = field(default_factory=dict)
+    """verl's profiler section; accepted, not read"""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """the value model: what is built and how it runs"""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """the optimizer and its LR schedule"""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """the megatron-core layout, read when strategy=megatron"""
 
     # keys of a verl config that belong to verl's worker (dotted name -> value), set aside by `from_dict`
     verl_keys: ClassVar[dict[str, Any]] = {}

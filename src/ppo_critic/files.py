@@ -4,6 +4,11 @@ A file is produced under a temporary name in its directory, flushed and fsynced,
 directory is fsynced: a crash, a kill or a full disk leaves the old file or the new one, never a torn one, and no
 temporary file behind. A directory (an export) is built the same way and renamed into place. A path that is in the
 way is moved aside, never deleted. `RunDirLock` gives a run directory one writer at a time.
+
+What is written gets the mode a plain `open(path, "w")` / `mkdir` would give: 0666 & ~umask for a new file (a
+replaced file keeps its mode), 0777 & ~umask for a directory — whatever mode a library writer used on the temporary
+name (transformers' `save_pretrained` leaves 0600 files), so that a run's files are as readable on a shared cluster
+as the user's umask says. Temporary names are random, created exclusively (O_EXCL, mkdir), next to the target.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,10 +42,12 @@ def write_with(path: str | os.PathLike, produce: Callable[[Path], object]) -> Pa
     parent = path.parent
     with explained_os_error(f"cannot create the directory {parent}"):
         parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_temp_file(parent, path.name)
+    tmp, created_mode = _new_temp_file(parent, path.name)
+    mode = _mode_of_existing_file(path, created_mode)
     try:
         with explained_os_error(f"writing {path} failed", where=parent):
             produce(tmp)
+            _set_mode(tmp, mode)  # the writer may have replaced the temporary file by one of its own (mkstemp: 0600)
             _fsync_file(tmp)
             os.replace(tmp, path)
             fsync_dir(parent)
@@ -60,11 +68,18 @@ def new_directory(path: str | os.PathLike) -> Iterator[Path]:
     tmp = path.parent / f".tmp-{path.name}-{secrets.token_hex(4)}"
     try:
         with explained_os_error(f"writing {path} failed", where=path.parent):
-            tmp.mkdir()
+            tmp.mkdir()  # exclusive: fails if the name exists
+            dir_mode = stat.S_IMODE(tmp.stat().st_mode)  # 0777 & ~umask (or the parent's default ACL)
             yield tmp
-            for child in tmp.rglob("*"):
-                if child.is_file():
+            for child in tmp.rglob("*"):  # what open()/mkdir() would have given, whatever the writer used
+                info = child.lstat()
+                if stat.S_ISDIR(info.st_mode):
+                    _set_mode(child, dir_mode)
+                elif stat.S_ISREG(info.st_mode):
+                    executable = info.st_mode & stat.S_IXUSR
+                    _set_mode(child, dir_mode if executable else dir_mode & 0o666)
                     _fsync_file(child)
+            _set_mode(tmp, dir_mode)
             fsync_dir(tmp)
             if path.is_dir() and not any(path.iterdir()):
                 path.rmdir()  # an empty directory holds nothing to lose
@@ -153,8 +168,9 @@ class RunDirLock:
         self.release()
 
 
-def _new_temp_file(directory: Path, base: str) -> Path:
-    """A new empty file next to the target, with the umask's usual mode (mkstemp's 0600 would stick)."""
+def _new_temp_file(directory: Path, base: str) -> tuple[Path, int]:
+    """A new empty file next to the target under a random name (created exclusively: never someone else's file or
+    link), and the mode `open(..., "w")` gives a new file there: 0666 & ~umask (mkstemp's 0600 would stick)."""
     while True:
         tmp = directory / f".{base}.{secrets.token_hex(6)}.tmp"
         try:
@@ -163,8 +179,27 @@ def _new_temp_file(directory: Path, base: str) -> Path:
             continue
         except OSError as err:
             raise OSError(err.errno, f"cannot write in {directory}: {err.strerror}") from err
-        os.close(fd)
-        return tmp
+        try:
+            mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+        return tmp, mode
+
+
+def _mode_of_existing_file(path: Path, default: int) -> int:
+    """The permission bits `open(path, "w")` would leave: those of the file it replaces, else `default`."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return default
+    return info.st_mode & 0o777 if stat.S_ISREG(info.st_mode) else default
+
+
+def _set_mode(path: Path, mode: int) -> None:
+    """chmod unless already so; a symbolic link is left alone (chmod would change what it points to)."""
+    info = path.lstat()
+    if not stat.S_ISLNK(info.st_mode) and stat.S_IMODE(info.st_mode) != mode:
+        os.chmod(path, mode)
 
 
 def _fsync_file(path: Path) -> None:

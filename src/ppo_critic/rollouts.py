@@ -1,8 +1,11 @@
 """Recorded rollout files (JSON Lines or Parquet) → critic batches (DESIGN §3), and per-token values written back.
 
-A rollout row holds `prompt_ids`, `response_ids` and exactly one of `token_level_rewards` (one per response
-token) or `reward` (a scalar, put on the last response token). Other fields are ignored. Every malformed row
-is reported as ``<path>: row <n>: field '<name>' must be ..., got ...`` (for JSON Lines, n is the line number).
+A rollout row holds a prompt, a response and exactly one of `token_level_rewards` (one per response token) or
+`reward` (a scalar, put on the last response token). Other fields are ignored. The prompt is `prompt_ids` (token
+ids) or `prompt` (text); the response is `response_ids` or `response`; each side on its own, so one file may mix
+id rows and text rows. Text is tokenised with the tokenizer directory passed to `read_rollouts` (see `Tokenizer`).
+Every malformed row is reported as ``<path>: row <n>: field '<name>' must be ..., got ...`` (for JSON Lines, n is
+the line number).
 """
 
 from __future__ import annotations
@@ -15,16 +18,19 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ppo_critic.files import write_with
 
+if TYPE_CHECKING:
+    from ppo_critic.config import ModelConfig
+
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 REWARD_FIELDS = ("token_level_rewards", "reward")
-_ID_FIELDS = ("prompt_ids", "response_ids")
+_SIDES = (("prompt_ids", "prompt"), ("response_ids", "response"))  # (token ids, text) of each side
 _MAX_INT64 = 2**63
 _IDS_EXPECTED = "must be a non-empty list of integer token ids"
 _REWARDS_EXPECTED = "must be a list of finite numbers, one per response token"
@@ -47,18 +53,25 @@ class _RowError(ValueError):
 # Reading
 
 
-def read_rollouts(path: str | os.PathLike, vocab_size: int | None = None) -> list[Rollout]:
-    """Read every rollout of a `.jsonl` or `.parquet` file; raise ValueError naming the first malformed row."""
+def read_rollouts(
+    path: str | os.PathLike, vocab_size: int | None = None, tokenizer: str | os.PathLike | None = None
+) -> list[Rollout]:
+    """Read every rollout of a `.jsonl` or `.parquet` file; raise ValueError naming the malformed rows.
+
+    `vocab_size` bounds every token id (given or tokenised); `tokenizer` is a local tokenizer directory, loaded
+    only if a row carries text (`prompt` / `response`). `tokenizer_dir` picks it from the model config.
+    """
     name = os.fspath(path)
     rows, decode = _reader_for(name)
     _check_vocab_size(vocab_size)
     if not os.path.exists(name):
         raise FileNotFoundError(errno.ENOENT, "rollout file not found", name)
+    text = Tokenizer(tokenizer)
     rollouts: list[Rollout] = []
     bad: list[tuple[int, str]] = []
     for number, raw in rows(name):
         try:
-            rollouts.append(_parse_row(decode(raw), vocab_size))
+            rollouts.append(_parse_row(decode(raw), vocab_size, text))
         except _RowError as e:
             bad.append((number, str(e)))
     if bad:
@@ -147,15 +160,17 @@ def _check_parquet_schema(path: str, schema: Any) -> list[str]:
     import pyarrow as pa
 
     names = schema.names
-    missing = [c for c in _ID_FIELDS if c not in names]
-    if not any(c in names for c in REWARD_FIELDS):
-        missing.append("token_level_rewards' or 'reward")
+    alternatives = [*_SIDES, REWARD_FIELDS]
+    missing = ["' or '".join(fields) for fields in alternatives if not any(c in names for c in fields)]
     if missing:
         listed = ", ".join(f"'{c}'" for c in missing)
         raise ValueError(f"{path}: missing column(s) {listed}; the file has columns {names}")
+    is_text = (pa.types.is_string, pa.types.is_large_string)
     expected = {
         "prompt_ids": ("list<integer>", lambda t: _is_list_of(t, pa.types.is_integer)),
+        "prompt": ("string", lambda t: any(ok(t) for ok in is_text)),
         "response_ids": ("list<integer>", lambda t: _is_list_of(t, pa.types.is_integer)),
+        "response": ("string", lambda t: any(ok(t) for ok in is_text)),
         "token_level_rewards": ("list<integer or floating>", lambda t: _is_list_of(t, _is_arrow_number)),
         "reward": ("integer or floating", _is_arrow_number),
     }
@@ -185,17 +200,35 @@ def _is_arrow_number(kind: Any) -> bool:
 # Row validation
 
 
-def _parse_row(row: Any, vocab_size: int | None) -> Rollout:
+def _parse_row(row: Any, vocab_size: int | None, text: Tokenizer) -> Rollout:
     if not isinstance(row, dict):
         raise _RowError(f"must be a JSON object with fields prompt_ids, response_ids, ..., got {_kind(row)}")
-    prompt_ids = _token_ids(row, "prompt_ids", vocab_size)
-    response_ids = _token_ids(row, "response_ids", vocab_size)
+    prompt_ids, response_ids = (_side(row, ids, field, vocab_size, text) for ids, field in _SIDES)
     return Rollout(prompt_ids, response_ids, _rewards(row, len(response_ids)))
 
 
-def _token_ids(row: dict[str, Any], field: str, vocab_size: int | None) -> list[int]:
+def _side(row: dict[str, Any], ids_field: str, text_field: str, vocab_size: int | None, text: Tokenizer) -> list[int]:
+    """The token ids of one side (prompt or response): given in `ids_field`, or tokenised from `text_field`."""
+    if row.get(text_field) is None:
+        return _token_ids(row, ids_field, text_field, vocab_size)
+    if row.get(ids_field) is not None:
+        raise _RowError(
+            f"fields {ids_field!r} and {text_field!r} are both given, so the {text_field} is ambiguous; "
+            f"keep one: {ids_field!r} (token ids) or {text_field!r} (text to tokenise)"
+        )
+    value = row[text_field]
+    if not isinstance(value, str):
+        raise _RowError(f"field {text_field!r} must be a string (text to tokenise), got {_short(value)}")
+    ids = text.prompt(value) if text_field == "prompt" else text.response(value)
+    if not ids:
+        raise _RowError(f"field {text_field!r} must be text that tokenises to at least one token, got {_short(value)}")
+    _check_range(text_field, ids, vocab_size, tokenised=True)
+    return ids
+
+
+def _token_ids(row: dict[str, Any], field: str, text_field: str, vocab_size: int | None) -> list[int]:
     if field not in row:
-        raise _RowError(f"field {field!r} is missing; it {_IDS_EXPECTED}")
+        raise _RowError(f"field {field!r} is missing; it {_IDS_EXPECTED} (or give field {text_field!r} as text)")
     value = row[field]
     items = _as_list(value)
     if not items:
@@ -203,10 +236,22 @@ def _token_ids(row: dict[str, Any], field: str, vocab_size: int | None) -> list[
     for i, item in enumerate(items):
         if not _is_int(item):
             raise _RowError(f"field {field!r} {_IDS_EXPECTED}, got {_short(value)} (element {i} is {_short(item)})")
+    ids = [int(item) for item in items]
+    _check_range(field, ids, vocab_size, tokenised=False)
+    return ids
+
+
+def _check_range(field: str, ids: list[int], vocab_size: int | None, tokenised: bool) -> None:
+    """Every id in [0, vocab_size), or [0, 2**63) without one: a row's ids must index the model's embedding."""
+    for i, item in enumerate(ids):
         if not 0 <= item < (vocab_size or _MAX_INT64):
             bound = f"vocab_size={vocab_size}" if vocab_size else "2**63"
+            if tokenised:
+                raise _RowError(
+                    f"field {field!r} is tokenised to id {item} at token {i}, outside [0, {bound}): the tokenizer "
+                    "does not match the model (set critic.model.tokenizer_path to the model's tokenizer)"
+                )
             raise _RowError(f"field {field!r} must hold token ids in [0, {bound}), got {item} at element {i}")
-    return [int(item) for item in items]
 
 
 def _rewards(row: dict[str, Any], response_length: int) -> list[float]:
@@ -271,6 +316,83 @@ def _kind(value: Any) -> str:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text rows
+
+
+def tokenizer_dir(model: ModelConfig) -> str | None:
+    """The tokenizer directory for text rows: `critic.model.tokenizer_path`, else the model directory
+    `critic.model.path` (where a Hugging Face model keeps its tokenizer), else None."""
+    return model.tokenizer_path if model.tokenizer_path is not None else model.path
+
+
+class Tokenizer:
+    """Tokenises the text of rollout rows like the policy saw and wrote it; loads the tokenizer on first use.
+
+    Prompt: with a chat template, the prompt is one user message rendered with `add_generation_prompt=True`;
+    without one, it is encoded as the tokenizer encodes any text (its default special tokens, e.g. a BOS).
+    Response: encoded without special tokens, then the tokenizer's EOS token appended (when it has one and the
+    text does not already end with it), as a policy ends a finished answer. The tokenizer is loaded from local
+    files only and never runs code from the directory (`trust_remote_code=False`).
+    """
+
+    def __init__(self, directory: str | os.PathLike | None):
+        self.directory = None if directory is None else os.fspath(directory)
+        self._tokenizer: Any = None
+
+    def prompt(self, text: str) -> list[int]:
+        """The prompt's token ids, ending where the policy's answer begins."""
+        tokenizer = self._load("prompt")
+        if not tokenizer.chat_template:
+            return self._encode("prompt", text, add_special_tokens=True)
+        messages = [{"role": "user", "content": text}]
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except Exception as e:  # jinja2 and tokenizers raise their own types
+            raise _RowError(f"field 'prompt' could not be rendered with the tokenizer's chat template ({e})") from e
+        return [int(i) for i in ids]
+
+    def response(self, text: str) -> list[int]:
+        """The response's token ids followed by EOS (the token that ends a policy's answer)."""
+        eos = self._load("response").eos_token_id
+        ids = self._encode("response", text, add_special_tokens=False)
+        return ids if eos is None or ids[-1:] == [eos] else [*ids, eos]
+
+    def _encode(self, field: str, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+        except Exception as e:  # the tokenizers library raises a bare Exception, e.g. for a word without [UNK]
+            raise _RowError(f"field {field!r} could not be tokenised ({e})") from e
+
+    def _load(self, field: str) -> Any:
+        """The tokenizer, loaded once; a row error naming the fix when no directory was given."""
+        if self.directory is None:
+            raise _RowError(
+                f"field {field!r} is text, which needs a tokenizer: set critic.model.tokenizer_path=DIR (a local "
+                f"tokenizer directory; library: read_rollouts(..., tokenizer=DIR)), or give {field + '_ids'!r}"
+            )
+        if self._tokenizer is None:
+            self._tokenizer = _load_tokenizer(self.directory)
+        return self._tokenizer
+
+
+def _load_tokenizer(directory: str) -> Any:
+    if not os.path.isdir(directory):
+        raise ValueError(
+            f"tokenizer directory {directory} does not exist or is not a directory; rollout rows with text need "
+            "critic.model.tokenizer_path=DIR (or critic.model.path) to name a local directory holding a tokenizer"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # transformers raises OSError / ValueError / tokenizers' Exception for bad files
+        raise ValueError(
+            f"could not load a tokenizer from {directory} ({type(e).__name__}: {e}); rollout rows with text need "
+            "critic.model.tokenizer_path=DIR to name a directory holding tokenizer.json / tokenizer_config.json"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from ppo_critic.files import RunDirLock, move_aside, write_file
 CONFIG_FILE = "config.yaml"
 CHANGES_FILE = "config_changes.jsonl"
 # what `ppo-critic train` writes into a run directory (a directory holding any of these holds a run)
-MANAGED = (CONFIG_FILE, CHANGES_FILE, "metrics.jsonl", "curves.png", "tensorboard", "checkpoints", "hf")
+MANAGED = (CONFIG_FILE, CHANGES_FILE, "metrics.jsonl", "curves.png", "checkpoints", "hf")
+MANAGED += ("tensorboard", "tracking.json", "wandb", "mlruns")  # what the experiment loggers write
 # options a resumed run may change: applied from the step it resumes at, reported, and recorded in CHANGES_FILE
 CHANGEABLE_ON_RESUME = (
     "trainer.steps",
@@ -26,7 +27,10 @@ CHANGEABLE_ON_RESUME = (
     "trainer.save_every",
     "trainer.keep_last_n",
     "trainer.progress",
-    "trainer.tensorboard",
+    "trainer.log_every",
+    "trainer.logger",
+    "trainer.project_name",
+    "trainer.experiment_name",
     "trainer.export_hf",
     "trainer.dist_timeout_s",
     "trainer.device",

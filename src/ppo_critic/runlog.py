@@ -2,44 +2,66 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import os
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ppo_critic.files import explained_os_error, write_file, write_with
+from ppo_critic.loggers import Backend, JsonlLog, MlflowLog, TensorBoardLog, WandbLog, check_loggers
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 
 
 class RunLog:
-    """Appends one JSON line per step, flushed to disk (and TensorBoard scalars); on resume, the rows past the
-    checkpoint are dropped (the file is rewritten atomically)."""
+    """Each step's metrics, stamped with `time` (unix seconds) and `elapsed_s` (seconds of this run, continued
+    across resumes), fanned out to the `trainer.logger` backends. A resume drops the rows past the checkpoint from
+    `metrics.jsonl` (rewritten atomically) and continues the same TensorBoard log and wandb / mlflow runs."""
 
-    def __init__(self, run_dir: str | os.PathLike, resume_step: int = 0, tensorboard: bool = True):
-        self.path = Path(run_dir) / METRICS_FILE
-        rows = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step else []
-        write_file(self.path, "".join(json.dumps(r) + "\n" for r in rows))
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        resume_step: int = 0,
+        loggers: Sequence[str] | str = ("console", "jsonl", "tensorboard"),
+        project_name: str = "ppo-critic",
+        experiment_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+    ):
+        run_dir = Path(run_dir)
+        names = check_loggers(loggers)
+        self.path = run_dir / METRICS_FILE
+        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step else []
+        self.elapsed_before = kept[-1].get("elapsed_s", 0.0) if kept else 0.0
+        self.start = time.monotonic()
+        name, config = experiment_name or run_dir.resolve().name, config or {}
+        build = {  # the remote ones first: a missing package stops the run before any file changes
+            "wandb": lambda: WandbLog(run_dir, resume_step > 0, project_name, name, config),
+            "mlflow": lambda: MlflowLog(run_dir, resume_step > 0, project_name, name, config),
+            "tensorboard": lambda: TensorBoardLog(run_dir / "tensorboard", resume_step),
+            "jsonl": lambda: JsonlLog(self.path, kept),
+        }
+        self.backends: list[Backend] = []
+        self._closing = contextlib.ExitStack()
+        try:
+            for backend in (make() for key, make in build.items() if key in names):
+                self.backends.append(backend)
+                self._closing.callback(backend.close)
+        except BaseException:
+            self.close()
+            raise
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        with explained_os_error(f"appending step {step} to {self.path} failed"), open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(key, value, step)
+        elapsed = self.elapsed_before + time.monotonic() - self.start
+        row = {**metrics, "time": round(time.time(), 3), "elapsed_s": round(elapsed, 3)}
+        for backend in self.backends:
+            backend.log(step, row)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        """Close every backend (all of them, even when one fails)."""
+        self._closing.close()
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -58,41 +80,3 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         except ValueError as err:
             raise ValueError(f"{path}:{number} is not a JSON row ({err}); fix or remove that line") from err
     return rows
-
-
-def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> Path:
-    """Six panels: value loss, explained variance (vs truth and vs returns), MAE vs truth, grad norm, lr, tokens/s."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(metrics_path)
-    panels = [
-        ("value loss", ["critic/vf_loss"], "log"),
-        ("explained variance (held-out)", ["eval/ev_true", "eval/ev_returns"], "linear"),
-        ("mean abs. error vs true values", ["eval/mae_true"], "linear"),
-        ("grad norm (pre-clip)", ["critic/grad_norm"], "log"),
-        ("learning rate", ["critic/lr"], "linear"),
-        ("valid tokens / s (update)", ["perf/tokens_per_s"], "linear"),
-    ]
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5), constrained_layout=True)
-    for ax, (title, keys, scale) in zip(axes.flat, panels, strict=True):
-        for key in keys:
-            points = [(r["step"], r[key]) for r in rows if key in r and math.isfinite(r[key])]
-            if points:
-                xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, marker="." if len(points) < 50 else None, label=key.split("/")[-1])
-        if title.startswith("explained"):
-            ax.axhline(0.9, color="grey", linestyle=":", linewidth=1, label="0.9")
-            ax.set_ylim(-0.1, 1.02)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        if scale == "log" and any(key in r and r[key] > 0 for r in rows for key in keys):
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        if len(keys) > 1 or title.startswith("explained"):
-            ax.legend(loc="lower right")
-    out = write_with(out_png, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
-    return out

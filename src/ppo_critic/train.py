@@ -6,138 +6,28 @@ steps, explained variance of the values against the true values (built-in tasks)
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import functools
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ppo_critic import rundir
+from ppo_critic import console, rundir
 from ppo_critic.algos import compute_gae_advantage_return, explained_variance, masked_mean
 from ppo_critic.checkpoint import latest_checkpoint
-from ppo_critic.config import CriticConfig, OptimConfig, from_mapping
 from ppo_critic.files import write_file
+from ppo_critic.plots import plot_curves
 from ppo_critic.rundir import CHANGEABLE_ON_RESUME
-from ppo_critic.runlog import CURVES_FILE, METRICS_FILE, RunLog, plot_curves, read_metrics
+from ppo_critic.runlog import CURVES_FILE, METRICS_FILE, RunLog, read_metrics
 from ppo_critic.tasks import TASKS
+from ppo_critic.train_config import DEFAULT_MODEL as DEFAULT_MODEL  # re-exported: used by bench/
+from ppo_critic.train_config import TrainConfig, TrainerConfig, resolve_model
 from ppo_critic.worker import CriticWorker, make_critic_worker
-
-MAX_SEED = 2**62  # seeds of torch generators are 64-bit; the held-out set uses seed + a constant
-DEFAULT_MODEL = {
-    "model_type": "qwen2",
-    "hidden_size": 64,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 64,
-}
-
-
-@dataclass
-class TrainerConfig:
-    """The loop around the critic. `rollout_batch_size` rollouts per step; checkpoints under `run_dir`.
-
-    `critic_warmup_steps`: during the first N steps the returns are Monte-Carlo (GAE with λ = 1), so an untrained
-    critic does not bootstrap from its own values; afterwards GAE uses `lam`. (verl's `trainer.critic_warmup`
-    means something else — N steps in which the actor is frozen and only the critic trains; this trainer has no
-    actor, so in verl's sense every step is a critic-warmup step.)
-    """
-
-    steps: int = 400
-    rollout_batch_size: int = 192
-    gamma: float = 1.0
-    lam: float = 0.5
-    critic_warmup_steps: int = 0
-    eval_size: int = 512
-    eval_every: int = 10
-    save_every: int = 50
-    keep_last_n: int = 2
-    run_dir: str = "runs/default"
-    resume: str = "auto"
-    seed: int = 0
-    device: str = "auto"
-    dist_timeout_s: float = 600.0
-    progress: bool = True
-    tensorboard: bool = True
-    export_hf: bool = True
-
-
-def _default_critic() -> CriticConfig:
-    """The critic of `ppo-critic train`: verl's critic defaults with a rate for a small randomly initialised model
-    and `ema_decay`; with the trainer's `lam` 0.5 the fastest configuration of the ablation in docs/QUALITY.md."""
-    return CriticConfig(
-        strategy="none",
-        ppo_mini_batch_size=96,
-        ppo_micro_batch_size_per_gpu=96,
-        ema_decay=0.9,
-        optim=OptimConfig(lr=1e-3),
-    )
-
-
-@dataclass
-class TrainConfig:
-    """Everything `ppo-critic train` reads: the rollout source (`task` or `data`), the critic, the loop."""
-
-    task: dict = field(default_factory=lambda: {"name": "counting", "num_targets": 2, "max_response_len": 12})
-    data: str | None = None
-    critic: CriticConfig = field(default_factory=_default_critic)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-
-    @classmethod
-    def from_mapping(cls, data: dict) -> TrainConfig:
-        cfg = from_mapping(cls, data)
-        cfg.validate()
-        return cfg
-
-    def validate(self) -> None:
-        """Check the parts the nested configs cannot see on their own (all errors name the key)."""
-        self.critic.validate(prefix="critic.")
-        self.task_config()
-        t = self.trainer
-        for name in ("steps", "rollout_batch_size", "eval_size", "eval_every"):
-            if getattr(t, name) < 1:
-                raise ValueError(f"trainer.{name}={getattr(t, name)} must be >= 1")
-        if t.critic_warmup_steps < 0:
-            raise ValueError(f"trainer.critic_warmup_steps={t.critic_warmup_steps} must be >= 0")
-        if t.save_every < 0 or t.keep_last_n < 0:
-            raise ValueError("trainer.save_every and trainer.keep_last_n must be >= 0 (0: only at the end / keep all)")
-        if not (0 <= t.gamma <= 1 and 0 <= t.lam <= 1):
-            raise ValueError(f"trainer.gamma={t.gamma} and trainer.lam={t.lam} must be in [0, 1]")
-        mini = self.critic.ppo_mini_batch_size * self.critic.rollout_n
-        if t.rollout_batch_size % mini:
-            raise ValueError(
-                f"trainer.rollout_batch_size={t.rollout_batch_size} must be a multiple of critic.ppo_mini_batch_size"
-                f"={self.critic.ppo_mini_batch_size} (× rollout_n={self.critic.rollout_n})"
-            )
-        if not (isinstance(t.dist_timeout_s, int | float) and math.isfinite(t.dist_timeout_s) and t.dist_timeout_s > 0):
-            raise ValueError(f"trainer.dist_timeout_s={t.dist_timeout_s} must be a positive number of seconds")
-        if not 0 <= t.seed <= MAX_SEED:
-            raise ValueError(f"trainer.seed={t.seed} must be in [0, {MAX_SEED}]")
-        if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
-            raise ValueError(f"trainer.resume={t.resume!r} must be auto, never or a checkpoint directory")
-
-    def task_config(self) -> Any:
-        """The task's own config dataclass, from `task` minus its `name`."""
-        fields = dict(self.task)
-        name = fields.pop("name", "counting")
-        if name not in TASKS:
-            raise ValueError(f"task.name={name!r} is unknown; built-in tasks: {sorted(TASKS)}")
-        task_cfg = from_mapping(TASKS[name][1], fields, prefix="task.")
-        task_cfg.validate()
-        return task_cfg
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class TaskSource:
@@ -152,6 +42,7 @@ class TaskSource:
         held_out = torch.Generator().manual_seed(cfg.trainer.seed + 1_000_003)
         self.eval_batch = self.task.sample(cfg.trainer.eval_size, held_out)
         self.eval_batch["true_values"] = self.task.true_values(self.eval_batch, cfg.trainer.gamma)
+        self.eval_name = f"{cfg.trainer.eval_size} held-out rollouts of the {name} task (another seed)"
         self.vocab_size = self.task.vocab_size
 
     def next_batch(self) -> dict[str, Tensor]:
@@ -168,18 +59,29 @@ class TaskSource:
 
 
 class FileSource:
-    """Recorded rollouts, cycled in file order; the first `eval_size` rows double as the evaluation set."""
+    """Recorded rollouts, cycled in file order. The evaluation set is never trained on: `trainer.eval_data`, or a
+    seeded `trainer.eval_fraction` of the file's rows held out (up to `eval_size` of them evaluated), or none."""
 
     def __init__(self, cfg: TrainConfig):
-        from ppo_critic.rollouts import collate, read_rollouts
+        from ppo_critic.rollouts import collate, read_rollouts, tokenizer_dir
 
+        t = cfg.trainer
         self.collate = collate
         self.name = f"data={cfg.data}"
-        self.rows = read_rollouts(cfg.data)
-        self.batch_size = cfg.trainer.rollout_batch_size
+        read = functools.partial(read_rollouts, tokenizer=tokenizer_dir(cfg.critic.model))
+        rows = read(cfg.data)
+        if t.eval_data:
+            eval_rows, self.rows = read(t.eval_data), rows
+            what = f"rows of eval_data={t.eval_data}"
+        else:
+            eval_rows, self.rows = held_out_split(rows, t.eval_fraction, t.seed)
+            what = f"rows of {cfg.data} held out (eval_fraction={t.eval_fraction}, seed {t.seed}; never trained on)"
+        evaluated = eval_rows[: t.eval_size]
+        self.eval_batch = collate(evaluated) if evaluated else None
+        self.eval_name = f"{len(evaluated)} {what}" if evaluated else None
+        self.batch_size = t.rollout_batch_size
         self.position = 0
-        self.eval_batch = collate(self.rows[: cfg.trainer.eval_size])
-        self.vocab_size = 1 + max(max(r.prompt_ids + r.response_ids) for r in self.rows)
+        self.vocab_size = 1 + max(max(r.prompt_ids + r.response_ids) for r in self.rows + eval_rows)
 
     def next_batch(self) -> dict[str, Tensor]:
         rows = [self.rows[(self.position + i) % len(self.rows)] for i in range(self.batch_size)]
@@ -199,6 +101,19 @@ class FileSource:
         self.position = int(state["data_position"])
 
 
+def held_out_split(rows: list, fraction: float, seed: int) -> tuple[list, list]:
+    """`(held_out, train)`: a seeded random `fraction` of the rows (at least one when `fraction` > 0) and the rest,
+    both in file order; the same seed always holds out the same rows."""
+    count = math.ceil(fraction * len(rows)) if fraction > 0 else 0
+    if count and count >= len(rows):
+        raise ValueError(
+            f"trainer.eval_fraction={fraction} leaves no training rows of the {len(rows)} in the file; lower it, or "
+            "give trainer.eval_data"
+        )
+    chosen = set(torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:count].tolist())
+    return [r for i, r in enumerate(rows) if i in chosen], [r for i, r in enumerate(rows) if i not in chosen]
+
+
 def _same_source(name: str, state: dict[str, Any]) -> None:
     """A run resumes on the rollouts it was trained on."""
     saved = state.get("data_source")
@@ -212,21 +127,6 @@ def _same_source(name: str, state: dict[str, Any]) -> None:
             f"the checkpoint was written by a run reading {saved}; this run reads {name}. Resume with the same "
             "rollouts, or start a new run (another trainer.run_dir)"
         )
-
-
-def resolve_model(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
-    """Without `critic.model.path`, the model is the built-in tiny `DEFAULT_MODEL` updated by `override_config`,
-    with the rollouts' vocabulary size unless one is given. The result is what the run saves and reloads."""
-    cfg = copy.deepcopy(cfg)
-    model = cfg.critic.model
-    if model.path is None:
-        model.override_config = {**DEFAULT_MODEL, "vocab_size": vocab_size, **model.override_config}
-        if model.override_config["vocab_size"] < vocab_size:
-            raise ValueError(
-                f"critic.model.override_config.vocab_size={model.override_config['vocab_size']} is smaller than "
-                f"the rollouts' vocabulary ({vocab_size} token ids)"
-            )
-    return cfg
 
 
 def make_worker(cfg: TrainConfig) -> CriticWorker:
@@ -273,12 +173,13 @@ def train(
     cfg = resolve_model(cfg, source.vocab_size)
     worker = make_worker(cfg)
     lead = worker.rank == 0
-    out = (out or sys.stdout) if lead else open(os.devnull, "w")  # noqa: SIM115 - closed with the process
-    say = functools.partial(print, file=out)
+    out = out or sys.stdout
+    say = functools.partial(print, file=out) if lead else lambda *_: None  # the first rank alone prints
     lock = rundir.agree(lead, lambda: rundir.claim(run_dir, t.resume, overwrite, say))
     try:
         current = cfg.to_dict()
         say(OmegaConf.to_yaml(OmegaConf.create(current)))
+        say(f"rollouts: {source.name}; evaluation: {source.eval_name or 'none (no evaluation set)'}")
         changeable = CHANGEABLE_ON_RESUME if cfg.critic.strategy != "megatron" else CHANGEABLE_ON_RESUME[:-1]
         changes = {}
         if t.resume != "never":  # options that cannot change mid-run are refused before anything loads
@@ -291,7 +192,7 @@ def train(
             if changes:
                 say("options changed on resume: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
         if worker.step >= t.steps:
-            return _complete(run_dir, worker.step, say)
+            return _complete(run_dir, worker.step, source.eval_name, say)
         if lead:  # after a successful resume only: a refused or failed one leaves the run's files as they were
             write_file(run_dir / rundir.CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(current)))
             if resumed is not None and changes:
@@ -319,13 +220,12 @@ def _load(worker: CriticWorker, source: TaskSource | FileSource, checkpoint: Pat
     return checkpoint
 
 
-def _complete(run_dir: Path, step: int, say: Callable[[str], None]) -> dict[str, float]:
+def _complete(run_dir: Path, step: int, eval_name: str | None, say: Callable[[str], None]) -> dict[str, float]:
     """A run already at its last step: say so, with its final metrics; nothing is written."""
     rows = read_metrics(run_dir / METRICS_FILE)
-    final = rows[-1] if rows else {}
-    summary = {k: round(v, 4) for k, v in final.items() if k.startswith(("eval/", "critic/vf_loss"))}
-    say(f"run complete at step {step}: {summary}")
-    return {k: v for k, v in final.items() if k != "step"}
+    final = {k: v for k, v in (rows[-1] if rows else {}).items() if k != "step"}
+    say(console.summary("run complete", step, final, eval_name) + f" | {run_dir} (nothing to do)")
+    return final
 
 
 def _loop(
@@ -340,9 +240,10 @@ def _loop(
     t = cfg.trainer
     lead = worker.rank == 0
     ckpt_root = run_dir / "checkpoints"
-    log = RunLog(run_dir, resume_step=worker.step, tensorboard=t.tensorboard) if lead else None
+    log = RunLog(run_dir, worker.step, t.logger, t.project_name, t.experiment_name, cfg.to_dict()) if lead else None
     metrics: dict[str, float] = {}
-    progress = _Progress(t, worker.step, enabled=lead)
+    mode = console.mode_for(lead and "console" in t.logger, t.progress, out)
+    progress = console.Progress(mode, t.steps, worker.step, t.log_every, out)
     train_s = 0.0
     try:
         while worker.step < t.steps:
@@ -350,11 +251,11 @@ def _loop(
             metrics = _iteration(worker, source, t)
             train_s += time.perf_counter() - start
             step = worker.step
-            if step % t.eval_every == 0 or step == t.steps:
+            if source.eval_batch is not None and (step % t.eval_every == 0 or step == t.steps):
                 metrics |= evaluate(worker, source.eval_batch, t.gamma)
             if log is not None:
                 log.log(step, metrics)
-            progress.update(metrics)
+            progress.update(step, metrics)
             if on_step is not None:
                 on_step(step, metrics, train_s)
             if (t.save_every and step % t.save_every == 0) or step == t.steps:
@@ -364,11 +265,25 @@ def _loop(
         progress.close()
         if log is not None:
             log.close()
-    if lead:
-        plot_curves(run_dir / METRICS_FILE, run_dir / CURVES_FILE)
+    if lead and "jsonl" in t.logger:
+        plot_curves(run_dir / METRICS_FILE, run_dir / CURVES_FILE, run_title(cfg, source), source.eval_name)
     if t.export_hf:
         worker.export_hf(run_dir / "hf", replace=True)  # the run's own export, written by an earlier call
+    if lead:
+        print(console.summary("done", worker.step, metrics, source.eval_name) + f" | {run_dir}", file=out)
     return metrics
+
+
+def run_title(cfg: TrainConfig, source: TaskSource | FileSource) -> str:
+    """The run and its key settings, for the curves' title: where, what data, which model, rate, averaging, λ."""
+    model = cfg.critic.model
+    shape = model.override_config
+    what = Path(model.path).name if model.path else f"{shape.get('model_type')} {shape.get('hidden_size')}×"
+    what += "" if model.path else f"{shape.get('num_hidden_layers')}"
+    return (
+        f"{cfg.trainer.run_dir} — {source.name}, {what}, lr {cfg.critic.optim.lr:g}, ema {cfg.critic.ema_decay:g}, "
+        f"λ {cfg.trainer.lam:g}, γ {cfg.trainer.gamma:g}"
+    )
 
 
 def _iteration(worker: CriticWorker, source: TaskSource | FileSource, t: TrainerConfig) -> dict[str, float]:
@@ -379,24 +294,3 @@ def _iteration(worker: CriticWorker, source: TaskSource | FileSource, t: Trainer
         batch["token_level_rewards"], batch["values"], batch["response_mask"], t.gamma, lam
     )
     return worker.update_critic(batch)
-
-
-class _Progress:
-    """A tqdm bar (step, loss, explained variance, tokens/s, ETA), or a line every `eval_every` steps."""
-
-    def __init__(self, t: TrainerConfig, start: int, enabled: bool = True):
-        from tqdm import tqdm
-
-        disable = not (t.progress and enabled)
-        self.bar = tqdm(total=t.steps, initial=start, disable=disable, dynamic_ncols=True, desc="train")
-        self.ev = float("nan")
-
-    def update(self, m: dict[str, float]) -> None:
-        self.ev = m.get("eval/ev_true", m.get("eval/ev_returns", self.ev))
-        self.bar.set_postfix(
-            loss=f"{m['critic/vf_loss']:.4f}", ev=f"{self.ev:.3f}", tok_s=f"{m['perf/tokens_per_s']:.0f}", refresh=False
-        )
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()

@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-VALUE_NORM_MODES = ("off", "running", "popart")
+from ppo_critic.modes import VALUE_NORM_MODES
+
 MIN_STD = 1e-4  # σ never goes below this, so constant returns (e.g. a first batch of zeros) cannot divide by ~0
 STATE_KEYS = ("value_norm/count", "value_norm/mean", "value_norm/var")
 

@@ -426,13 +426,15 @@ def model_from_config(model: ModelConfig) -> nn.Module:
 
 
 def per_rank_config(config: CriticConfig, dp_size: int) -> CriticConfig:
-    """Global sizes (× `rollout_n`) divided over `dp_size` ranks, as the critic expects (DESIGN §3)."""
+    """Global sizes (× `rollout_n`) divided over `dp_size` ranks, as the critic expects (DESIGN §3) and as verl's
+    worker does: `ppo_mini_batch_size` is global, `*_per_gpu` sizes are per rank, verl's deprecated global
+    micro-batch sizes are divided too. Errors name the keys the user set (the `critic.` section)."""
     cfg = copy.deepcopy(config)
     mini = config.ppo_mini_batch_size * config.rollout_n
+    global_mini = f"critic.ppo_mini_batch_size={config.ppo_mini_batch_size} (global) × rollout_n={config.rollout_n}"
     if mini % dp_size:
         raise ValueError(
-            f"ppo_mini_batch_size={config.ppo_mini_batch_size} (× rollout_n={config.rollout_n}) is not divisible "
-            f"by the {dp_size} data-parallel ranks"
+            f"{global_mini} is not divisible by the {dp_size} data-parallel ranks; choose a multiple of {dp_size}"
         )
     cfg.ppo_mini_batch_size = mini // dp_size
     cfg.ppo_micro_batch_size_per_gpu = per_rank(
@@ -442,6 +444,19 @@ def per_rank_config(config: CriticConfig, dp_size: int) -> CriticConfig:
         config.forward_micro_batch_size_per_gpu, config.forward_micro_batch_size, dp_size
     )
     cfg.ppo_micro_batch_size = cfg.forward_micro_batch_size = None
+    micro = cfg.ppo_micro_batch_size_per_gpu
+    if not config.use_dynamic_bsz and micro is not None and cfg.ppo_mini_batch_size % micro:
+        key = (
+            "ppo_micro_batch_size_per_gpu"
+            if config.ppo_micro_batch_size_per_gpu is not None
+            else "ppo_micro_batch_size"
+        )
+        typed = getattr(config, key)
+        raise ValueError(
+            f"critic.{key}={typed} does not divide the per-GPU mini-batch of {cfg.ppo_mini_batch_size} rows "
+            f"({global_mini} over {dp_size} data-parallel ranks); set critic.ppo_micro_batch_size_per_gpu to a "
+            f"divisor of {cfg.ppo_mini_batch_size}, or null for one micro-batch per mini-batch"
+        )
     cfg.validate()
     return cfg
 

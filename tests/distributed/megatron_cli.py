@@ -22,7 +22,7 @@ OPTIONS = [
     "trainer.eval_size=16",
     "trainer.eval_every=2",
     "trainer.progress=false",
-    "trainer.tensorboard=false",
+    "trainer.logger=[console,jsonl]",
     "critic.ppo_mini_batch_size=8",
     "critic.ppo_micro_batch_size_per_gpu=4",
 ]

@@ -14,7 +14,7 @@ from ppo_critic.cli import load_config
 from ppo_critic.train import train
 from test_train import SHORT
 
-FSDP2 = ["critic.strategy=fsdp2", "trainer.tensorboard=false"]
+FSDP2 = ["critic.strategy=fsdp2", "trainer.logger=[console,jsonl]"]
 
 
 def weights(run_dir):
@@ -32,6 +32,9 @@ def test_dp2_training_matches_one_process_and_resumes_across_sizes(tmp_path):
     result = torchrun("-m", "ppo_critic", "train", *SHORT, *FSDP2, f"trainer.run_dir={dp2}")
     assert result.returncode == 0, result.stderr[-4000:]
     assert (dp2 / "metrics.jsonl").read_text().count("\n") == 4 and (dp2 / "curves.png").is_file()
+    # the first rank alone prints: one plain progress line per log_every steps (output is a pipe) and one summary
+    assert result.stdout.count("step 4/4 | loss") == 1 and result.stdout.count("done at step 4") == 1
+    assert "returned a view tensor" not in result.stderr  # FSDP2's warning about the root's outputs
     assert max_diff(weights(single), weights(dp2)) <= 1e-6
 
     for name in ("resume_dp2", "resume_dp1"):  # restart from the DP=2 run's step-2 checkpoint

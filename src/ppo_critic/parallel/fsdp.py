@@ -66,8 +66,22 @@ def _apply_fsdp2(model: nn.Module, mixed_precision: bool, cpu_offload: bool = Fa
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in _decoder_layers(model):
         fully_shard(layer, **kwargs)
+    model.register_forward_hook(_outputs_not_views)  # before fully_shard's own hook, which then sees copies
     fully_shard(model, **kwargs)
     return model
+
+
+def _outputs_not_views(module: nn.Module, args: object, output: object) -> object:
+    """A `Linear(hidden, 1)` head returns its [B, T, 1] logits as a view of a 2-D matmul, and FSDP2 warns that an
+    in-place op on a view would drop its pre-backward hook. Nothing here changes logits in place, but a copy of
+    B×T numbers costs nothing and keeps the root's outputs safe (and the log free of the warning)."""
+    if isinstance(output, Tensor):
+        return output.clone() if output._base is not None else output
+    if isinstance(output, dict):  # transformers' ModelOutput
+        for key, value in output.items():
+            if isinstance(value, Tensor) and value._base is not None:
+                output[key] = value.clone()
+    return output
 
 
 def _apply_fsdp1(model: nn.Module, device: torch.device) -> nn.Module:
