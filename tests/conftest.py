@@ -21,6 +21,17 @@ TINY = {
     "max_position_embeddings": 256,
 }
 
+# Tolerances of float32 comparisons between two computations of the same math whose only difference is the order of
+# their sums (packed vs padded rows, other micro-batches, dynamic batching, DP/SP layouts, an export reloaded).
+# With u = 2**-24, two orders of one float32 sum of n terms differ by at most ~2·n·u·Σ|terms| (Higham, "Accuracy and
+# Stability of Numerical Algorithms", §3.1), and by ~√n·u·Σ|terms| when roundings are independent (Higham & Mary,
+# "A new approach to probabilistic rounding error analysis", 2019). TINY sums n <= 128 terms per dot product (hidden
+# 64, MLP 128, <= 64 attention positions): 1.5e-5 worst case, ~7e-7 typically, relative to magnitudes that RMSNorm
+# keeps O(1) through the 2 layers. So values of magnitude <= ~1 differ by ~1e-6 (measured: <= 4e-7) and 1e-5 holds
+# on any IEEE-754 CPU with a factor ~10 to spare, while a real bug (a wrong position, mask or normaliser) moves values
+# by 1e-3 or more. DESIGN §6 sets the same 1e-5 for the distributed layout-invariance suite.
+FP32_REORDERED = {"rtol": 1e-5, "atol": 1e-5}
+
 
 @pytest.fixture(autouse=True)
 def no_leaked_process_group():

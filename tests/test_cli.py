@@ -236,3 +236,16 @@ def test_train_failures_exit_2_with_the_reason(error, message, tmp_path, capsys,
     monkeypatch.setattr(train_mod, "train", fail)
     code, text = run_cli(["train", f"trainer.run_dir={tmp_path}"], capsys)
     assert code == 2 and message in text, text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without CUDA")
+def test_megatron_on_a_machine_without_cuda_is_a_clear_error(tmp_path):
+    """megatron-core allocates its buffers on CUDA: exit 2 naming the option and what to use instead, no traceback,
+    nothing written."""
+    pytest.importorskip("megatron.core")
+    run = tmp_path / "run"
+    args = ["-m", "ppo_critic", "train", "backend=megatron", "trainer.steps=1", f"trainer.run_dir={run}"]
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "critic.strategy=megatron needs CUDA GPUs" in result.stderr and "Traceback" not in result.stderr
+    assert not run.exists()

@@ -63,7 +63,7 @@ def test_values_are_read_at_the_position_before_each_response_token(dynamic):
     mask = batch["attention_mask"][:, -r:].bool()
     expected = torch.arange(b)[:, None] * t + (t - r - 1) + torch.arange(r)[None, :]
     assert values.dtype == torch.float32 and values.device.type == "cpu"
-    torch.testing.assert_close(values[mask], expected[mask].float())
+    torch.testing.assert_close(values[mask], expected[mask].float(), rtol=0, atol=0)  # exact: integers < 2**24, copied
     assert (values[~mask] == 0).all() and (~mask).any()
     if dynamic:  # several micro-batches that are not in row order, yet rows come back in order
         groups = dynamic_micro_batches(batch["attention_mask"].sum(-1), 12)
@@ -95,6 +95,7 @@ def test_global_normalisation_makes_the_update_independent_of_micro_batching(tin
     for layout in layouts:
         delta, metrics = one_update_delta(base, batch, loss_agg_mode=mode, **layout)
         rel = ((delta - ref).norm() / ref.norm()).item()
+        # the same gradient summed over other micro-batches: fp32 reordering, conftest.FP32_REORDERED (DESIGN §6)
         assert rel <= 1e-5, (layout, rel)
         assert metrics["critic/vf_loss"] == pytest.approx(ref_metrics["critic/vf_loss"], rel=1e-5)
 
@@ -130,6 +131,8 @@ def test_metrics_follow_their_documented_meaning(tiny_qwen2):
     mask = batch["attention_mask"][:, -5:]
     expected_loss, expected_clipfrac = compute_value_loss(old, batch["returns"], batch["values"], mask, 0.5)
     metrics = critic.update_critic(batch)
+    # the critic sums the same float32 terms over its micro-batches and steps, the reference over the whole batch:
+    # conftest.FP32_REORDERED; abs=1e-7 where the mean may be ~0. Min and max are the same floats: approx's default.
     assert metrics["critic/vf_loss"] == pytest.approx(expected_loss.item(), rel=1e-5)
     assert metrics["critic/vf_clipfrac"] == pytest.approx(expected_clipfrac.item(), rel=1e-5)
     assert metrics["critic/vpred_mean"] == pytest.approx(masked_mean(old, mask).item(), rel=1e-5, abs=1e-7)
@@ -152,7 +155,7 @@ def test_vf_loss_is_the_mean_over_steps(tiny_qwen2):
     probe = make_critic(copy.deepcopy(model), ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=4)
     for rows in (slice(0, 4), slice(4, 8)):
         losses.append(probe.update_critic({k: v[rows] for k, v in batch.items()})["critic/vf_loss"])
-    assert critic.update_critic(batch)["critic/vf_loss"] == pytest.approx(sum(losses) / 2, rel=1e-5)
+    assert critic.update_critic(batch)["critic/vf_loss"] == pytest.approx(sum(losses) / 2, rel=1e-5)  # FP32_REORDERED
 
 
 def test_fully_masked_micro_batch_gives_no_nan(tiny_qwen2):
@@ -223,6 +226,7 @@ def test_dataproto_meta_info_overrides_forward_settings(tiny_qwen2, monkeypatch)
     calls.clear()
     split = critic.compute_values(DataProtoStandIn(batch, {"micro_batch_size": 3}))
     assert calls == [3, 3, 2]
+    # other micro-batches, other padded widths: fp32 reordering (conftest.FP32_REORDERED); |values| <= 0.34 here
     torch.testing.assert_close(split, plain, rtol=1e-5, atol=1e-6)
     calls.clear()
     longest = int(batch["attention_mask"].sum(-1).max())
@@ -239,7 +243,8 @@ def test_tensordict_and_dict_batches_give_the_same_values(tiny_qwen2):
     model = tiny_qwen2()
     batch = make_batch(4, 6, 5, seed=7)
     critic = make_critic(model, ppo_mini_batch_size=4)
-    torch.testing.assert_close(critic.compute_values(TensorDict(batch, batch_size=[4])), critic.compute_values(batch))
+    a, b = critic.compute_values(TensorDict(batch, batch_size=[4])), critic.compute_values(batch)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # exact: the same tensors through the same code
 
 
 def test_shuffled_epochs_are_deterministic(tiny_qwen2):
@@ -249,7 +254,7 @@ def test_shuffled_epochs_are_deterministic(tiny_qwen2):
     a, _ = one_update_delta(base, batch, **cfg)
     b, _ = one_update_delta(base, batch, **cfg)
     c, _ = one_update_delta(base, batch, **{**cfg, "data_loader_seed": 12})
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # exact: the same seed, the same order, the same sums
     assert (a - c).abs().max() > 0
 
 

@@ -21,6 +21,7 @@ How each command is rewritten to run here, minimally (`rewrite`; the failure mes
 - `train`: `trainer.steps=2 trainer.eval_every=1` replace any step count (2 steps and an evaluation take little
   time and still save, resume and export); batch sizes are never changed: the defaults must work, also under
   torchrun. An absolute `trainer.run_dir=/x/y` becomes `x/y` inside the working directory.
+- `bench`: `repeats=1` replaces any repeat count (the command is tested, not its numbers); sizes are kept.
 - The megatron backend (`backend=megatron`, `critic.strategy=megatron`, a bench path `megatron`): megatron-core
   0.16 needs CUDA ("Torch not compiled with CUDA enabled" on CPU), so `-m ppo_critic` is run through a launcher
   that applies the test-only CPU redirect `tests/megatron_cpu.py` (README, "Testing on CPU") and then runs
@@ -56,6 +57,7 @@ from ppo_critic import cli
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600
 QUICK_TRAIN = ("trainer.steps=2", "trainer.eval_every=1")
+QUICK_BENCH = "repeats=1"
 ROLLOUT_ROWS = 64
 DEFAULT_RUN_DIR = "runs/default"  # trainer.run_dir's default (pinned against TrainerConfig below)
 MULTI_NODE_FLAGS = ("--nnodes", "--node_rank", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--rdzv_conf")
@@ -285,7 +287,10 @@ def ranks_needed(args: list[str]) -> int:
 
 
 def rewrite_args(args: list[str]) -> list[str]:
-    """The ppo_critic arguments: a quick `train`, an absolute run directory moved into the working directory."""
+    """The ppo_critic arguments: a quick `train` or `bench`, an absolute run directory moved into the working
+    directory."""
+    if args[:1] == ["bench"]:  # one timed repeat: the command is what is tested here, not the numbers
+        return [*(a for a in args if not a.startswith("repeats=")), QUICK_BENCH]
     if args[:1] != ["train"]:
         return list(args)
     steps = {q.split("=")[0] for q in QUICK_TRAIN}
@@ -493,6 +498,8 @@ def test_extraction_and_rewrites(tmp_path):
     rewritten = rewrite(shlex.split(megatron + " megatron.pipeline_model_parallel_size=2"), tmp_path)
     assert rewritten[3:6] == ["--standalone", "--nproc_per_node=4", "ppo_critic_megatron_on_cpu.py"]
     assert (tmp_path / "ppo_critic_megatron_on_cpu.py").is_file()
+    bench = ["ppo-critic", "bench", "paths=padded", "repeats=3", "out=b.json"]
+    assert rewrite(bench, tmp_path) == [py, "-m", "ppo_critic", "bench", "paths=padded", "out=b.json", QUICK_BENCH]
     export = ["export", "runs/default", "out/"]
     assert rewrite(["ppo-critic", *export], tmp_path) == [py, "-m", "ppo_critic", *export]
     assert rewrite(["python", "-m", "ppo_critic", *export], tmp_path) == [py, "-m", "ppo_critic", *export]
@@ -508,3 +515,13 @@ def test_extraction_and_rewrites(tmp_path):
 def test_documented_command_runs(command: Documented, runner: Runner):
     result = runner.result(command)
     assert result.returncode == 0, result.report(command)
+
+
+def test_a_failing_command_fails_with_its_command_and_error(runner: Runner):
+    """The harness sees a failure and its message names the command and the error (a bad option exits 2)."""
+    command = Documented("ppo-critic train no_such_option=1", ["test"])
+    result = runner.result(command)
+    assert result.returncode == 2, result.report(command)
+    report = result.report(command)
+    assert "`ppo-critic train no_such_option=1` (test) exited 2" in report
+    assert "no_such_option" in report.split("--- last 3000 characters")[0]  # on an error line, not only the tail

@@ -7,43 +7,48 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import make_batch, tiny_config
+from conftest import FP32_REORDERED, make_batch, tiny_config
 from ppo_critic.models.compile import compile_decoder_layers, decoder_layers
 from ppo_critic.worker import CriticWorker, worker_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def worker(remove_padding=True, compile_=False, fused=None):
+def worker(remove_padding=True, compile_=False, fused=None, optimizer="adamw"):
     model = {"override_config": tiny_config("qwen2"), "use_remove_padding": remove_padding}
     config = {
         "strategy": "none",
         "ppo_mini_batch_size": 4,
         "cliprange_value": None,
         "model": {**model, "use_torch_compile": compile_},
-        "optim": {"lr": 1e-2, "fused": fused},
+        "optim": {"optimizer": optimizer, "lr": 1e-2, "fused": fused},
     }
     return CriticWorker(config, device="cpu")
 
 
-def trained(w):
-    metrics = []
-    for seed in range(2):
-        batch = make_batch(8, 6, 5, seed=seed)
-        batch["values"] = w.compute_values(batch)
-        metrics.append(w.update_critic(batch))
-    return w.compute_values(make_batch(8, 6, 5, seed=9)), metrics
-
-
 def test_compiled_decoder_layers_give_the_eager_numbers():
-    """Packed micro-batches of varying length through the compiled layers (dynamic shapes), forward and backward."""
-    compiled = worker(compile_=True)
+    """Packed micro-batches of varying length through the compiled layers (dynamic shapes), forward and backward.
+
+    Inductor's fused kernels evaluate the same formulas with other roundings (other reduction orders, vectorised
+    exp / rsqrt within a few ulp): the scale of conftest.FP32_REORDERED. SGD, so that the update is lr x the gradient
+    and carries the gradient's relative error; Adam's lr·g/(|g| + eps) would turn a rounding-level difference in a
+    gradient that cancels to ~0 into a step of up to lr, which no rounding bound covers."""
+    compiled, eager = worker(compile_=True, optimizer="sgd"), worker(optimizer="sgd")
     assert all(layer._compiled_call_impl is not None for layer in decoder_layers(compiled.model))
-    eager_values, eager_metrics = trained(worker())
-    values, metrics = trained(compiled)
-    torch.testing.assert_close(values, eager_values, rtol=1e-4, atol=1e-5)
-    for a, b in zip(metrics, eager_metrics, strict=True):
-        assert a["critic/vf_loss"] == pytest.approx(b["critic/vf_loss"], rel=1e-4)
+    batch = make_batch(8, 6, 5, seed=0)
+    values = compiled.compute_values(batch)
+    torch.testing.assert_close(values, eager.compute_values(batch), **FP32_REORDERED)
+    batch["values"] = values  # the same inputs to both updates
+    before = [p.detach().clone() for p in eager.model.parameters()]
+    metrics, eager_metrics = compiled.update_critic(batch), eager.update_critic(batch)
+    pairs = list(zip(before, compiled.model.parameters(), eager.model.parameters(), strict=True))
+    delta = torch.cat([(a.detach() - p0).flatten() for p0, a, _ in pairs])
+    eager_delta = torch.cat([(b.detach() - p0).flatten() for p0, _, b in pairs])
+    assert eager_delta.norm() > 0
+    assert ((delta - eager_delta).norm() / eager_delta.norm()).item() <= FP32_REORDERED["rtol"]  # as DESIGN §6
+    assert metrics["critic/vf_loss"] == pytest.approx(eager_metrics["critic/vf_loss"], rel=FP32_REORDERED["rtol"])
+    later = make_batch(8, 6, 5, seed=9)  # another shape through the compiled layers after the update
+    torch.testing.assert_close(compiled.compute_values(later), eager.compute_values(later), **FP32_REORDERED)
     assert set(compiled.model.state_dict()) == set(worker().model.state_dict())  # names unchanged
 
 

@@ -41,6 +41,7 @@ def titles(rows: list, eval_name: str | None = EVAL_NAME) -> list[str]:
 
 
 def test_smoothing_is_debiased_tensorboard_ema():
+    # float64 arithmetic, a few roundings of 2**-53 per value: approx's default rel=1e-6 is far above
     assert smooth_ema([4.0, 4.0, 4.0], 0.9) == pytest.approx([4.0, 4.0, 4.0])  # the start is not pulled to 0
     # s1 = 0.5·1 / (1 − 0.5) = 1; s2 = (0.5·0.5 + 0.5·3) / (1 − 0.25) = 1.75 / 0.75
     assert smooth_ema([1.0, 3.0], 0.5) == pytest.approx([1.0, 1.75 / 0.75])
@@ -131,7 +132,7 @@ def test_noisy_curves_are_drawn_raw_and_smoothed_and_evaluations_with_markers():
     raw, smoothed = by_title["value loss (training batches)"].get_lines()
     _, losses = points(rows, "critic/vf_loss")
     assert list(raw.get_ydata()) == losses
-    assert list(smoothed.get_ydata()) == pytest.approx(smooth_ema(losses, SMOOTHING))
+    assert list(smoothed.get_ydata()) == pytest.approx(smooth_ema(losses, SMOOTHING))  # float64: default rel=1e-6
     assert raw.get_alpha() < 0.5 and smoothed.get_alpha() is None  # a faint raw line under an opaque smoothed one
     ev_lines = [line for line in by_title["explained variance"].get_lines() if line.get_marker() == "o"]
     assert [line.get_xdata().tolist() for line in ev_lines] == [[10, 20, 30, 40, 50, 60]] * 2
@@ -141,7 +142,7 @@ def test_a_hopeless_early_explained_variance_does_not_set_the_scale():
     rows = synthetic_rows()
     rows[9]["eval/ev_true"] = -30.0
     ax = axes_by_title(build_figure(rows, "run"))["explained variance"]
-    assert ax.get_ylim() == pytest.approx((-1.05, 1.03))
+    assert ax.get_ylim() == pytest.approx((-1.05, 1.03))  # float64 limits and margins: approx's default rel=1e-6
 
 
 def test_log_scale_only_for_positive_curves_spanning_decades():

@@ -35,9 +35,10 @@ def short_config(run_dir, *extra):
     return load_config(None, [*SHORT, f"trainer.run_dir={run_dir}", *extra])
 
 
-def test_a_run_writes_every_artifact(tmp_path):
+def test_a_run_writes_every_artifact(tmp_path, capsys):
     out = io.StringIO()
     metrics = train(short_config(tmp_path / "run"), out=out)
+    assert "Writing model shards" not in capsys.readouterr().err  # no transformers bar in the log of a run
     run = tmp_path / "run"
     assert {"config.yaml", "metrics.jsonl", "curves.png", "checkpoints", "hf", "tensorboard"} <= {
         p.name for p in run.iterdir()

@@ -35,16 +35,20 @@ def test_statistics_are_the_exact_mean_and_variance_of_every_valid_return_seen()
         seen.append(batch["returns"][mask.bool()].double())
     everything = torch.cat(seen)
     assert norm.count.item() == everything.numel()
+    # float64 (u = 2**-53) sums of n ~ 160 returns of magnitude <= ~15 merged batch by batch vs in one go:
+    # <= n·u·mean|x| / |mean| ~ 2e-14 relative for the mean; the variance, from sums of squares, loses another
+    # factor mean²/var (~2 here): ~1e-13. 1e-12 and 1e-10 bound them; a wrong merge formula is off by > 1e-3.
     torch.testing.assert_close(norm.mean, everything.mean(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(norm.var, everything.var(unbiased=False), rtol=1e-10, atol=1e-12)
     x = torch.randn(7, dtype=torch.float64)
+    # 4 float64 roundings (~4·2**-53 relative): far inside assert_close's float64 default (rtol 1e-7, atol 1e-7)
     torch.testing.assert_close(norm.denormalise(norm.normalise(x)), x)
 
 
 def test_off_is_the_identity_and_a_fresh_normalizer_changes_nothing():
     x = torch.randn(3, 4)
     assert ValueNormalizer("off").normalise(x) is x and ValueNormalizer("off").denormalise(x) is x
-    torch.testing.assert_close(ValueNormalizer("running").denormalise(x), x, rtol=0, atol=0)
+    torch.testing.assert_close(ValueNormalizer("running").denormalise(x), x, rtol=0, atol=0)  # exact: 0 + 1·x
     with pytest.raises(ValueError, match="value_norm='batch' is unknown"):
         ValueNormalizer("batch")
 
@@ -56,6 +60,9 @@ def test_preserve_outputs_rescales_weight_and_bias():
     before = old_mean + old_std * head(h).double()
     preserve_outputs(head, old_mean, old_std, new_mean, new_std)
     after = new_mean + new_std * head(h).double()
+    # the head runs in float32: its 16-term dot products round by <= 16·u·Σ|w·h| ~ 1.5e-6 (u = 2**-24, Σ|w·h| ~ 1.6),
+    # scaled by old_std = 2 before and new_std x (old_std / new_std) = 2 after, plus one float32 rounding of each
+    # rescaled weight: <= ~6e-6 in all, inside atol 1e-5 (measured 5e-7); a wrong rescaling is off by > 0.1
     torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-5)
 
 
@@ -67,6 +74,10 @@ def test_popart_preserves_the_values_when_the_statistics_move(tiny_qwen2):
     for seed in range(3):
         critic.update_critic(shifted_batch(seed, scale=3.0 * (seed + 1), shift=-20.0 * seed))
         assert critic.value_norm.count.item() > 0
+        # in raw space (u = 2**-24) each rescaling rounds the head's 64 weights (~√64·u·|w·h| ~ 3e-7, random signs)
+        # and its bias, which carries the mean shift (<= u·|Δμ| ~ 1.2e-6 for |Δμ| <= 20); the de-normalised value is
+        # rounded once (u·|v| <= 5e-7 for |v| <= 8.6): <= ~5e-6 over the 3 updates, inside atol 1e-5 (measured
+        # 1.8e-6); a lost rescaling moves the values by ~σ (2.5 to 15 here)
         torch.testing.assert_close(critic.compute_values(batch), before, rtol=1e-5, atol=1e-5)
     assert abs(critic.value_norm.mean.item()) > 1.0  # the statistics did move
 
@@ -80,6 +91,8 @@ def test_running_normalisation_moves_the_values_with_the_statistics(tiny_qwen2):
     norm = critic.value_norm
     mask = batch["attention_mask"][:, -5:].bool()
     expected = torch.where(mask, norm.mean.float() + norm.std.float() * raw, 0.0)
+    # the same outputs de-normalised in float64 then rounded (the critic) vs in float32 (here): a few float32
+    # roundings of |value| ~ |μ| = 50 (u·50 ~ 3e-6 each); rtol 1e-5 + atol 1e-4 bound them (measured 3.8e-6)
     torch.testing.assert_close(critic.compute_values(batch), expected, rtol=1e-5, atol=1e-4)
 
 
@@ -92,12 +105,19 @@ def test_loss_is_in_normalised_space_and_metrics_in_raw_space(tiny_qwen2, mode):
     norm = critic.value_norm
     mask = batch["attention_mask"][:, -5:].bool()
     returns = batch["returns"][mask].double()
+    # float64 statistics of 8 x 5 returns, merged into a fresh normaliser vs computed directly: ~n·2**-53, far inside
+    # assert_close's float64 default (rtol 1e-7, atol 1e-7)
     torch.testing.assert_close(norm.mean, returns.mean())
     torch.testing.assert_close(norm.std, returns.std(unbiased=False))
     # lr 0, so the model's output during the step is its output before: the old values (μ=0, σ=1 then), which
     # PopArt's rescaling carries into normalised space; `running` leaves the output itself in place
     vpred = (norm.normalise(batch["values"].double()) if mode == "popart" else batch["values"].double())[mask]
     target = norm.normalise(batch["returns"].double())[mask]
+    # the critic computes in float32 what is recomputed here in float64: conftest.FP32_REORDERED for the loss; the
+    # explained variance and the mean of the values are float64 sums of the same float32 inputs (rel 1e-6 >> 40·2**-53,
+    # abs for an explained variance near 0); vpred passes through the float32 model output and its de-normalisation
+    # (|vpred| ~ μ = 50: float32 roundings of ~3e-6 each, rel/abs 1e-4 bound them); the statistics are the same
+    # float64 numbers (approx's default rel 1e-6)
     assert metrics["critic/vf_loss"] == pytest.approx(0.5 * ((vpred - target) ** 2).mean().item(), rel=1e-5)
     values = batch["values"][mask].double()
     ev = explained_variance(batch["values"], batch["returns"], mask).item()
@@ -121,6 +141,7 @@ def test_the_loss_sees_returns_and_old_values_normalised_by_the_same_statistics(
     mean, std = critic.value_norm.mean, critic.value_norm.std
     for key in ("returns", "values"):
         expected = ((batch[key].double() - mean) / std).float()
+        # the same float64 formula rounded once to float32: equal up to one ulp (assert_close's float32 default)
         torch.testing.assert_close(seen[0][key][mask], expected[mask])
 
 
@@ -184,6 +205,9 @@ def test_statistics_survive_checkpoint_resume_and_the_export_predicts_raw_values
 
     worker.export_hf(tmp_path / "hf")
     got = exported_values(tmp_path / "hf", batch)
+    # the HF padded forward with the statistics folded into the head (one float32 rounding per weight) vs the
+    # critic's path de-normalised: the same sums in another order (conftest.FP32_REORDERED) on values of scale
+    # σ ~ 10 around μ ~ 50; atol 1e-4 ~ 1e-5·σ for values near 0 (measured 2.9e-6)
     torch.testing.assert_close(got, worker.compute_values(batch), rtol=1e-5, atol=1e-4)
 
 
@@ -209,4 +233,5 @@ def test_a_generic_critic_exports_raw_values_too(tmp_path):
     reloaded = build_value_model(tmp_path / "hf")
     assert type(reloaded).__name__ == "ValueModel"
     plain = DataParallelPPOCritic({"ppo_mini_batch_size": 8}, reloaded, None)  # no statistics: raw outputs
+    # as above: folded statistics, the same sums in another order, values of scale σ ~ 10 (measured 7.6e-6)
     torch.testing.assert_close(plain.compute_values(batch), worker.compute_values(batch), rtol=1e-5, atol=1e-4)

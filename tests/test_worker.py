@@ -25,6 +25,8 @@ def worker_config(**optim) -> dict:
 def test_lr_schedule_warmup_then_cosine_to_the_floor():
     f = lr_schedule(OptimConfig(warmup_style="cosine", lr_warmup_steps=4, min_lr_ratio=0.1), total_steps=14)
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    # float64, the same formula with its cos: a few roundings of 2**-53; approx's default rel=1e-6 is far above
+    # that, and a wrong schedule step is off by > 1e-2
     assert f(4) == pytest.approx(1.0)
     assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert f(14) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
@@ -79,6 +81,7 @@ def test_update_steps_the_schedule_and_reports_the_lr_it_used():
     worker = CriticWorker(worker_config(warmup_style="cosine", lr_warmup_steps=2), total_steps=4)
     batch = make_batch(8, 6, 5)
     lrs = [worker.update_critic(batch)["critic/lr"] for _ in range(4)]
+    # lr x the schedule's float64 factor: a few roundings of 2**-53 apart (approx's default rel=1e-6)
     assert lrs == pytest.approx([5e-3, 1e-2, 1e-2, 1e-2 * 0.5 * (1 + math.cos(math.pi * 0.5))])
     assert worker.step == 4
 

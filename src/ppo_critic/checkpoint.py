@@ -184,6 +184,21 @@ def _dcp_errors_as_os_errors() -> Iterator[None]:
         raise
 
 
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """transformers draws a "Writing model shards" bar per export, which in a log file is a line of carriage returns;
+    the trainer's own output says what is written."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under `root` (temporary and incomplete directories are ignored; its content is
     checked when it is loaded)."""
@@ -366,7 +381,7 @@ def export_hf(
         old = out.parent / f".old-{out.name}-{uuid.uuid4().hex[:8]}"
         os.rename(out, old)
     try:
-        with new_directory(out) as tmp:
+        with new_directory(out) as tmp, _no_progress_bar():
             if isinstance(model, ValueModel):
                 backbone = {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
                 model.model.save_pretrained(tmp, state_dict=backbone, safe_serialization=True)

@@ -20,12 +20,12 @@ from ppo_critic.train_config import TrainConfig
 EXAMPLES = """examples:
   ppo-critic train                                   # the built-in counting task, tiny model, runs/default
   ppo-critic train trainer.steps=50 trainer.run_dir=runs/short critic.optim.lr=1e-3
-  ppo-critic train --config configs/default.yaml data=rollouts.jsonl
+  ppo-critic train --config configs/default.yaml data=rollouts.jsonl trainer.run_dir=runs/file
   ppo-critic values runs/default data=rollouts.jsonl out=values.jsonl
   ppo-critic export runs/default critic-hf/
   ppo-critic bench paths=padded,packed repeats=3 out=bench.json   # throughput vs the padded HF baseline
   torchrun --nproc_per_node=4 -m ppo_critic train backend=megatron megatron.tensor_model_parallel_size=2 \
-      megatron.pipeline_model_parallel_size=2          # megatron-core (pip install 'ppo-critic[megatron]')
+      megatron.pipeline_model_parallel_size=2          # megatron-core on CUDA GPUs (pip install 'ppo-critic[megatron]')
 
 `backend=X` is short for critic.strategy=X (fsdp2, fsdp, ddp, none, megatron) and `megatron.K=V` for
 critic.megatron.K=V. Runs of the megatron backend are resumed, exported and evaluated under torchrun with the

@@ -7,10 +7,11 @@ The worker takes *global* batch sizes (verl's trainer convention) and hands the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -239,8 +240,11 @@ class MegatronCriticWorker(CriticWorker):
         chunks = build_megatron_value_model(self.hf_config, tf_config)
         mp.load_hf_weights(chunks, hf_model.state_dict(), self.shapes)
         del hf_model
-        self.model = mp.wrap_ddp(chunks, mcfg.use_distributed_optimizer)
-        self.optimizer = mp.build_optimizer(self.model, optim, self.config.grad_clip, mcfg.use_distributed_optimizer)
+        with _megatron_needs_cuda(self.device):
+            self.model = mp.wrap_ddp(chunks, mcfg.use_distributed_optimizer)
+            self.optimizer = mp.build_optimizer(
+                self.model, optim, self.config.grad_clip, mcfg.use_distributed_optimizer
+            )
         factor = lr_schedule(optim, optim.total_training_steps if optim.total_training_steps > 0 else total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer.optimizer, factor)
         self.critic = MegatronPPOCritic(
@@ -365,6 +369,21 @@ def _zero_step(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
         for p in group["params"]:
             p.grad = None
+
+
+@contextlib.contextmanager
+def _megatron_needs_cuda(device: torch.device) -> Iterator[None]:
+    """megatron-core 0.16 puts its gradient buffers and optimizer state on CUDA whatever the device; on a machine
+    without CUDA say so, instead of torch's bare "Torch not compiled with CUDA enabled" from deep inside it."""
+    try:
+        yield
+    except (AssertionError, RuntimeError) as err:
+        if device.type == "cuda" or "CUDA" not in str(err):
+            raise
+        raise ValueError(
+            "critic.strategy=megatron needs CUDA GPUs (megatron-core allocates its gradient buffers on CUDA); on "
+            f"this machine use critic.strategy=fsdp2, ddp or none ({err})"
+        ) from err
 
 
 def make_critic_worker(config: Any, **kwargs: Any) -> CriticWorker:

@@ -75,6 +75,7 @@ def test_layout_invariance_at_dp2(tmp_path):
     layouts = report["layouts"]
     assert len(layouts) == len(MODES) * 4 * (4 * 2 + 2 * 2)  # full: every layout; short, uneven: two each
     assert {r["case"] for r in layouts} == set(CASES)
+    # DESIGN §6: the same sums over other ranks, micro-batches and shards, fp32 rounding apart (conftest.FP32_REORDERED)
     bad = [r for r in layouts if not (r["rel"] <= 1e-5 and r["metric_rel"] <= 1e-5)]
     assert not bad, bad
     assert report["values_max_abs"] <= 1e-5
