@@ -114,7 +114,7 @@ def test_global_normalisation_differs_from_per_micro_batch_means(tiny_qwen2):
         )[0]
         for i in range(0, 8, 2)
     ]
-    assert abs(whole.item() - torch.stack(halves).mean().item()) > 1e-4
+    assert abs(whole.item() - torch.stack(halves).mean().item()) > 1e-4  # >> float32 rounding (~1e-7) of O(1) losses
 
 
 def _split(batch, size):

@@ -160,7 +160,7 @@ def test_tensorboard_holds_each_step_once_after_a_resume_past_a_crash(offline):
 
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
-    for key in metrics(1):
+    for key in metrics(1):  # TensorBoard stores scalars as float32: one rounding (2**-24 relative) < approx's 1e-6
         assert [(e.step, e.value) for e in events.Scalars(key)] == [
             (step, pytest.approx(values[key])) for step, values in logged.items()
         ]

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from ppo_critic import options
-from ppo_critic.bench import BenchConfig
+from ppo_critic.bench_config import BenchConfig
 from ppo_critic.cli import load_config
 from ppo_critic.config import CriticConfig, MegatronConfig, ModelConfig, OptimConfig
 from ppo_critic.tasks import TASK_CONFIGS

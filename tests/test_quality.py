@@ -239,7 +239,7 @@ def test_the_ablation_baselines_are_verls_critic_defaults_whatever_ppo_critic_tr
     spec = importlib.util.spec_from_file_location("ablation", path)
     ablation = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ablation)
-    batches = {"strategy": "none", "ppo_mini_batch_size": 96, "ppo_micro_batch_size_per_gpu": 96}
+    batches = {"strategy": "none", "ppo_mini_batch_size": 96, "ppo_micro_batch_size_per_gpu": None}
     for name, lr, lam in (("plain", 1e-3, 0.95), ("verl_literal", 1e-5, 1.0)):
         cfg = load_config(None, ablation.CONFIGS[name][1])
         assert cfg.critic == CriticConfig(**batches, optim=OptimConfig(lr=lr)), name

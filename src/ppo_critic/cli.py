@@ -183,9 +183,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ppo_critic.bench import main as bench_main
+    from ppo_critic.bench_config import parse_options
 
-    bench_main(args.overrides)
+    cfg = parse_options(args.overrides)  # a mistyped option is an error before torch is imported
+
+    from ppo_critic.bench import run_and_report
+
+    run_and_report(cfg)
     return 0
 
 

@@ -106,10 +106,10 @@ def _default_model_note(key: str) -> str:
 
 
 def bench_options() -> list[Option]:
-    """The options of `ppo-critic bench` (`ppo_critic.bench.BenchConfig`) read from its source: no torch."""
+    """The options of `ppo-critic bench` (`ppo_critic.bench_config.BenchConfig`) read from its source: no torch."""
     return [
         Option(name, ast.literal_eval(default) if default is not None else None, doc)
-        for name, default, doc in _module_fields("ppo_critic.bench")["BenchConfig"]
+        for name, default, doc in _module_fields("ppo_critic.bench_config")["BenchConfig"]
     ]
 
 

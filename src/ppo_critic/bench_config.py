@@ -1,0 +1,121 @@
+"""The options of `ppo-critic bench` (`BenchConfig`) and their parsing, without torch: a mistyped option is
+reported in a fraction of a second; `ppo_critic.bench` measures."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ppo_critic.config import from_mapping
+
+PATHS = ("padded", "packed", "megatron")
+LEVERS = ("dyn", "fused", "compile")
+QWEN25_05B = {"layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "intermediate": 4864, "vocab": 151936}
+
+
+@dataclass
+class BenchConfig:
+    """What to measure. Model fields of 0 take the device's default shape: Qwen2.5-0.5B on CUDA, a small model on
+    CPU; `dtype` null is bf16 on CUDA, fp32 on CPU. Rollouts: prompts ≤ `prompt` (left-padded), responses ≤
+    `response` (right-padded), lengths uniform around `fill` of the padded widths."""
+
+    paths: str = "padded,packed"
+    """comma-separated paths: padded (the baseline), packed, megatron; each optionally with levers dyn, fused,
+    compile joined by + (e.g. packed+dyn+fused)"""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
+    dtype: str | None = None
+    """compute dtype (bfloat16, float16, float32); null: bfloat16 on CUDA, float32 on CPU"""
+    layers: int = 0
+    """decoder layers; 0: 24 on CUDA (Qwen2.5-0.5B), 4 on CPU"""
+    hidden: int = 0
+    """hidden size; 0: 896 on CUDA, 256 on CPU"""
+    heads: int = 0
+    """attention heads; 0: 14 on CUDA, 4 on CPU"""
+    kv_heads: int = 0
+    """key/value heads; 0: 2"""
+    intermediate: int = 0
+    """MLP size; 0: 4864 on CUDA, 4 × hidden on CPU"""
+    vocab: int = 0
+    """vocabulary size; 0: 151936 on CUDA, 1024 on CPU"""
+    batch: int = 0
+    """rollouts per call; 0: 32 on CUDA, 16 on CPU"""
+    prompt: int = 0
+    """padded prompt width (left-padded); 0: 512 on CUDA, 256 on CPU"""
+    response: int = 0
+    """padded response width (right-padded); 0: 1024 on CUDA, 512 on CPU"""
+    fill: float = 0.5
+    """valid lengths are uniform around this fraction of the padded widths, in (0, 1]"""
+    micro: int = 0
+    """rows per micro-batch; 0: 8 on CUDA, 4 on CPU"""
+    budget: int = 0
+    """tokens per micro-batch of the dyn lever; 0: twice a fixed micro-batch's padded tokens"""
+    repeats: int = 3
+    """measured rounds per path after one warm-up round (the report gives medians)"""
+    profile: bool = False
+    """add the top operators of one update_critic per path (torch.profiler)"""
+    seed: int = 0
+    """seed of the weights and of the rollouts (the same for every path)"""
+    out: str | None = None
+    """also write the report as JSON to this file; null: print it only"""
+
+    def resolved(self) -> BenchConfig:
+        """The config with the device defaults filled in (checked)."""
+        from ppo_critic.parallel.mesh import resolve_device  # torch: only once the bench runs
+
+        cuda = resolve_device(self.device).type == "cuda"
+        shape = QWEN25_05B if cuda else {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 1024}
+        sizes = {"batch": 32, "prompt": 512, "response": 1024, "micro": 8} if cuda else {}
+        sizes = sizes or {"batch": 16, "prompt": 256, "response": 512, "micro": 4}
+        cfg = dataclasses.replace(self, dtype=self.dtype or ("bfloat16" if cuda else "float32"))
+        for name, value in {**shape, **sizes}.items():
+            if getattr(cfg, name) == 0:
+                setattr(cfg, name, value)
+        if cfg.intermediate == 0:
+            cfg.intermediate = 4 * cfg.hidden
+        if cfg.budget == 0:  # twice the padded tokens of a fixed micro-batch: ~4x the rows at 50 % fill
+            cfg.budget = 2 * cfg.micro * (cfg.prompt + cfg.response)
+        unknown = [p for p in cfg.path_list() if p.split("+")[0] not in PATHS or set(p.split("+")[1:]) - set(LEVERS)]
+        if unknown or not cfg.path_list():
+            raise ValueError(
+                f"paths={self.paths!r}: use a comma-separated list of {PATHS}, each optionally followed by levers "
+                f"from {LEVERS} joined with '+' (e.g. packed+dyn+fused)"
+            )
+        if not 0 < cfg.fill <= 1:
+            raise ValueError(f"fill={cfg.fill} must be in (0, 1]")
+        sizes = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "batch", "prompt", "response")
+        bad = [f"{n}={getattr(cfg, n)}" for n in (*sizes, "micro", "budget", "repeats") if getattr(cfg, n) < 1]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: sizes must be positive (0 takes the device's default)")
+        if cfg.hidden % cfg.heads or cfg.heads % cfg.kv_heads:
+            raise ValueError(
+                f"hidden={cfg.hidden}, heads={cfg.heads}, kv_heads={cfg.kv_heads}: heads must divide hidden and "
+                "kv_heads must divide heads"
+            )
+        if cfg.batch % cfg.micro:
+            raise ValueError(f"batch={cfg.batch} must be a multiple of micro={cfg.micro}")
+        return cfg
+
+    def path_list(self) -> list[str]:
+        return [p.strip() for p in self.paths.split(",") if p.strip()]
+
+
+def parse_options(overrides: list[str]) -> BenchConfig:
+    """`key=value` options (values read as JSON where they parse, text fields as given) into a BenchConfig."""
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"bench options must look like key=value, got {bad}")
+    text_fields = {f.name for f in dataclasses.fields(BenchConfig) if "str" in str(f.type)}
+    values = {}
+    for key, text in (o.split("=", 1) for o in overrides):
+        values[key] = (None if text == "null" else text) if key in text_fields else _parse(text)
+    return from_mapping(BenchConfig, values)
+
+
+def _parse(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
