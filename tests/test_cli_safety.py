@@ -144,7 +144,7 @@ def test_options_changed_on_resume_are_applied_or_refused(run, capsys):
 def test_a_finished_run_says_so_and_writes_nothing(run, capsys):
     before = tree(run)
     code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={run}"], capsys)
-    assert code == 0 and "run complete at step 4: {" in text and "'eval/ev_true': " in text
+    assert code == 0 and "run complete at step 4 | vf_loss " in text and "| eval ev_true " in text
     assert tree(run) == before
 
 

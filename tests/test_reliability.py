@@ -420,7 +420,7 @@ def _cli_cases(run: Path, tmp: Path) -> dict[str, tuple[list[str], str, bool]]:
             True,
         ),
         "rollout-vocabulary-beyond-the-model": (
-            ["train", *short, f"data={wide}", "critic.model.override_config.vocab_size=8"],
+            ["train", *short, f"data={wide}", "trainer.eval_fraction=0", "critic.model.override_config.vocab_size=8"],
             "critic.model.override_config.vocab_size=8 is smaller than the rollouts' vocabulary (20 token ids)",
             True,
         ),

@@ -52,7 +52,8 @@ class TrainerConfig:
     """the first N steps use Monte-Carlo returns (λ = 1), not bootstrapped from an untrained critic (not verl's
     trainer.critic_warmup, which freezes an actor)"""
     eval_size: int = 512
-    """rollouts in the built-in task's held-out evaluation set (drawn from a separate seed)"""
+    """rollouts evaluated: the built-in task's held-out set (drawn from a separate seed); with data=, at most this
+    many of the held-out rows"""
     eval_every: int = 10
     """evaluate every N steps, and at the last step"""
     save_every: int = 50
