@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppo_critic.batching import (
+    KK_LIMIT,
+    _longest_first,
     balanced_partitions,
     check_token_budget,
     dynamic_micro_batches,
@@ -250,6 +252,31 @@ def test_balanced_partitions_more_groups_than_items():
 def test_balanced_partitions_edge_cases():
     assert balanced_partitions([], 3) == [[], [], []]
     assert balanced_partitions([4, 2, 7], 1) == [[0, 1, 2]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(min_value=1, max_value=400), min_size=300, max_size=900),
+    groups_wanted=st.integers(min_value=14, max_value=40),
+    seed=st.integers(0, 3),
+)
+def test_large_batches_take_the_greedy_rule_with_the_same_guarantees(lens, groups_wanted, seed):
+    """Past KK_LIMIT item×group pairs: never over budget, every row once, groups ordered, within one micro-batch
+    of the lower bound when the budget holds many rows, and groups within one row of each other's load."""
+    random.Random(seed).shuffle(lens)
+    budget = max(4 * max(lens), math.ceil(sum(lens) / groups_wanted))
+    lb = math.ceil(sum(lens) / budget)
+    groups = dynamic_micro_batches(lens, budget)
+    loads = _loads(lens, groups)
+    assert max(loads) <= budget and sorted(i for g in groups for i in g) == list(range(len(lens)))
+    assert [g[0] for g in groups] == sorted(g[0] for g in groups) and all(g == sorted(g) for g in groups)
+    assert len(groups) <= lb + 1
+    # longest-first: the last item placed went to the lightest group, so no group exceeds another by more than
+    # the largest item
+    parts = _longest_first(lens, len(groups))
+    assert max(_loads(lens, parts)) - min(_loads(lens, parts)) <= max(lens)
+    if len(lens) * len(groups) > KK_LIMIT:  # the dispatch takes it for inputs this large
+        assert balanced_partitions(lens, len(groups)) == parts
 
 
 def test_balanced_partitions_is_deterministic():
