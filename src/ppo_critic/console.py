@@ -37,8 +37,9 @@ def summary(prefix: str, step: int, metrics: dict[str, float], eval_name: str | 
     parts = [f"{prefix} at step {step}"]
     if "critic/vf_loss" in metrics:
         parts.append(f"vf_loss {metrics['critic/vf_loss']:.4g}")
-    if evaluation(metrics):
-        parts.append(f"eval {evaluation(metrics)}" + (f" on {eval_name}" if eval_name else ""))
+    evaluated = evaluation(metrics)
+    if evaluated:
+        parts.append(f"eval {evaluated}" + (f" on {eval_name}" if eval_name else ""))
     return " | ".join(parts)
 
 

@@ -1,4 +1,5 @@
-"""What a training run leaves behind for people: `metrics.jsonl`, TensorBoard events and `curves.png`."""
+"""A run's metrics, step by step, to the `trainer.logger` backends (`ppo_critic.loggers`), and `metrics.jsonl` read
+back (a torn last line dropped); `curves.png` is drawn from it by `ppo_critic.plots`."""
 
 from __future__ import annotations
 
