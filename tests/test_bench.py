@@ -83,6 +83,7 @@ def test_the_report_says_which_ratio_is_values_and_which_is_update():
     [
         (["paths=padded,fast"], "paths='padded,fast'"),
         (["paths=packed+turbo"], "levers from ('dyn', 'fused', 'compile')"),
+        (["paths=verl+fused"], "verl paths take dyn only"),
         (["batch=6", "micro=4"], "batch=6 must be a multiple of micro=4"),
         (["fill=0"], "fill=0"),
         (["repeat=2"], "did you mean 'repeats'"),
@@ -94,6 +95,50 @@ def test_bench_rejects_bad_options_by_name(options, message):
 
     with pytest.raises(ValueError, match=re.escape(message)):
         main(options)
+
+
+def test_verl_paths_without_verl_say_where_verl_is(monkeypatch):
+    from importlib import metadata
+
+    from ppo_critic.bench import main
+
+    def version(name):
+        if name == "verl":
+            raise metadata.PackageNotFoundError(name)
+        return metadata.version(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    with pytest.raises(ValueError, match=re.escape("verl is not installed; run the bench in the environment")):
+        main(["paths=padded,verl_packed+dyn"])
+    monkeypatch.setattr(metadata, "version", lambda name: "0.9.1")
+    with pytest.raises(ValueError, match=re.escape("verl 0.9.1 is installed")):
+        main(["paths=verl"])
+
+
+def test_the_report_gives_every_path_against_the_fastest_verl_path():
+    from ppo_critic.bench import report
+
+    config = {"dtype": "float32", "layers": 1, "hidden": 32, "batch": 4, "prompt": 8, "response": 8}
+    row = {"compute_values_mfu": 0.1, "update_critic_mfu": 0.2, "peak_gb": 0.0}
+    median = {
+        "packed+dyn": {"compute_values": 300.0, "update_critic": 80.0, **row},
+        "verl": {"compute_values": 100.0, "update_critic": 50.0, **row},
+        "verl_packed": {"compute_values": 150.0, "update_critic": 40.0, **row},
+    }
+    best = {"compute_values": 150.0, "update_critic": 50.0}
+    vs_verl = {p: {k: m[k] / best[k] for k in best} for p, m in median.items()}
+    summary = {"device": "cpu", "torch": "2", "config": config, "fill": 0.5, "valid_tokens": 32}
+    lines = report(summary | {"median": median, "vs_padded": {}, "vs_verl": vs_verl}).splitlines()
+    header, ours, verl = lines[2:5]
+    for name, cell in [("values MFU", "0.100"), ("values x verl", "2.00x"), ("update x verl", "1.60x")]:
+        end = header.index(name) + len(name)
+        assert ours[end - len(cell) : end] == cell, (name, ours)
+    end = header.index("values MFU") + len("values MFU")
+    assert verl[end - 1] == "-" and verl.split()[-2:] == ["0.67x", "1.00x"]  # verl reports no FLOPs
+    assert (
+        lines[-1]
+        == "ppo-critic's fastest / verl's fastest: compute_values 2.00x (packed+dyn), update_critic 1.60x (packed+dyn)"
+    )
 
 
 def test_gpu_scripts_are_valid_bash():

@@ -2,13 +2,15 @@
 on one seeded rollout distribution, against the plain padded HF baseline measured in the same run.
 
 Paths: `padded` (HF model, padded batches: the baseline), `packed` (remove padding), `megatron` (TP=1/PP=1;
-CUDA, or CPU with the test-only redirect of bench/megatron_vs_dp.py), each optionally with levers appended:
+CUDA, or CPU with the test-only redirect of bench/megatron_vs_dp.py), and verl 0.7's own critic, `verl` and
+`verl_packed` (its use_remove_padding; `ppo_critic.integrations.verl_bench`), each optionally with levers appended:
 `+dyn` (token-budget micro-batches of `budget` tokens instead of `micro` rows), `+fused` (fused AdamW), `+compile`
 (`torch.compile` per decoder layer), e.g. `packed+dyn+fused`. Each path is a worker built from the same
 config and seed (same weights); rounds alternate the paths so machine noise hits all alike; the report holds
 median valid tokens/s, MFU (matmul + attention FLOPs over the measured matmul peak of the compute dtype) and
 peak memory (CUDA: the peak above what was allocated before the calls, i.e. activations and gradients, since all
-paths stay resident; CPU: the process's peak RSS), and the ratio of each path to the baseline. `profile=true`
+paths stay resident; CPU: the process's peak RSS), the ratio of each path to the baseline and, when verl paths
+run, to the fastest verl path of each call (`x verl`). `profile=true`
 adds the top operators of one `update_critic` per path (torch.profiler; device time on CUDA).
 """
 
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ppo_critic.bench_config import BenchConfig, parse_options
+from ppo_critic.bench_config import VERL_PATHS, BenchConfig, parse_options
 from ppo_critic.files import write_file
 from ppo_critic.parallel.mesh import resolve_device
 from ppo_critic.perf import peak_memory_gb
@@ -45,6 +47,7 @@ def rollouts(batch: int, prompt: int, response: int, fill: float, vocab: int, se
         "attention_mask": mask,
         "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
         "responses": ids[:, prompt:],
+        "response_mask": mask[:, prompt:],
         "values": torch.randn(batch, response, generator=g) * 0.1,
         "returns": torch.randn(batch, response, generator=g),
     }
@@ -55,6 +58,20 @@ def make_worker(cfg: BenchConfig, path: str) -> Any:
     from ppo_critic.worker import CriticWorker, MegatronCriticWorker
 
     base, *levers = path.split("+")
+    if base in VERL_PATHS:
+        from ppo_critic.integrations.verl_bench import VerlBenchPath
+
+        ours = make_worker(cfg, "padded")  # the same weights and optimizer settings as every other path
+        return VerlBenchPath(
+            ours.model,
+            ours.optimizer,
+            mini_batch=cfg.batch,
+            micro=cfg.micro,
+            budget=cfg.budget,
+            dynamic="dyn" in levers,
+            packed=base == "verl_packed",
+            dtype=getattr(torch, cfg.dtype),
+        )
     model = {
         "override_config": {
             "model_type": "qwen2",
@@ -100,7 +117,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
                 torch.cuda.reset_peak_memory_stats()
                 held = torch.cuda.memory_allocated(device) / 2**30
             forward = _timed(lambda w=worker: w.compute_values(batch), device)
-            compute_mfu = worker.critic.last_compute_metrics.get("perf/compute_values_mfu", 0.0)
+            compute_mfu = getattr(worker.critic, "last_compute_metrics", {}).get("perf/compute_values_mfu", 0.0)
             metrics: dict[str, float] = {}
             update = _timed(lambda w=worker, m=metrics: m.update(w.update_critic(batch)), device)
             if repeat:
@@ -112,8 +129,12 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
                 row["peak_gb"].append(peak_memory_gb(device) - held)
     profiles = {path: profile(worker, batch, device) for path, worker in workers.items()} if cfg.profile else {}
     medians = {p: {k: statistics.median(v) for k, v in r.items()} for p, r in runs.items()}
+    calls = ("compute_values", "update_critic")
     base = medians.get("padded")
-    ratios = {p: {k: m[k] / base[k] for k in ("compute_values", "update_critic")} for p, m in medians.items() if base}
+    ratios = {p: {k: m[k] / base[k] for k in calls} for p, m in medians.items() if base}
+    verl = [m for p, m in medians.items() if p.split("+")[0] in VERL_PATHS]
+    best_verl = {k: max(m[k] for m in verl) for k in calls} if verl else None
+    vs_verl = {p: {k: m[k] / best_verl[k] for k in calls} for p, m in medians.items() if best_verl}
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
@@ -122,6 +143,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         "fill": valid / batch["attention_mask"].numel(),
         "median": medians,
         "vs_padded": ratios,
+        "vs_verl": vs_verl,
         "runs": runs,
         "profile": profiles,
     }
@@ -149,22 +171,38 @@ def profile(worker: Any, batch: dict[str, Tensor], device: torch.device, top: in
 def report(summary: dict[str, Any]) -> str:
     """The table `ppo-critic bench` prints."""
     cfg = summary["config"]
+    vs_verl = summary.get("vs_verl") or {}
+    ratio_columns = {"x padded": summary["vs_padded"], **({"x verl": vs_verl} if vs_verl else {})}
+    head = "".join(f" {f'{call} {name}':>16}" for name in ratio_columns for call in ("values", "update"))
     lines = [
         f"{summary['device']}, torch {summary['torch']}, {cfg['dtype']}; {cfg['layers']} layers x {cfg['hidden']}, "
         f"{cfg['batch']} x ({cfg['prompt']} + {cfg['response']}), fill {summary['fill']:.2f}, "
         f"{summary['valid_tokens']} valid tokens",
-        "values = compute_values, update = update_critic; tok/s counts valid tokens; x padded = tok/s / padded's",
-        f"{'path':10} {'values tok/s':>13} {'update tok/s':>13} {'values MFU':>11} {'update MFU':>11} "
-        f"{'peak GiB':>9} {'values x padded':>16} {'update x padded':>16}",
+        "values = compute_values, update = update_critic; tok/s counts valid tokens; x padded = tok/s / padded's"
+        + ("; x verl = tok/s / the fastest verl path's" if vs_verl else ""),
+        f"{'path':18} {'values tok/s':>13} {'update tok/s':>13} {'values MFU':>11} {'update MFU':>11} "
+        f"{'peak GiB':>9}{head}",
     ]
     for path, m in summary["median"].items():
-        ratio = summary["vs_padded"].get(path)
-        values_vs, update_vs = (
-            (f"{ratio[k]:.2f}x" for k in ("compute_values", "update_critic")) if ratio else ("-", "-")
+        verl = path.split("+")[0] in VERL_PATHS  # verl reports no FLOPs
+        mfu = ("-", "-") if verl else (f"{m['compute_values_mfu']:.3f}", f"{m['update_critic_mfu']:.3f}")
+        ratios = "".join(
+            f" {f'{ratios[path][call]:.2f}x' if path in ratios else '-':>16}"
+            for ratios in ratio_columns.values()
+            for call in ("compute_values", "update_critic")
         )
         lines.append(
-            f"{path:10} {m['compute_values']:>13.0f} {m['update_critic']:>13.0f} {m['compute_values_mfu']:>11.3f} "
-            f"{m['update_critic_mfu']:>11.3f} {m['peak_gb']:>9.2f} {values_vs:>16} {update_vs:>16}"
+            f"{path:18} {m['compute_values']:>13.0f} {m['update_critic']:>13.0f} {mfu[0]:>11} {mfu[1]:>11} "
+            f"{m['peak_gb']:>9.2f}{ratios}"
+        )
+    if vs_verl and len(vs_verl) > sum(p.split("+")[0] in VERL_PATHS for p in vs_verl):
+        best = {
+            call: max((p for p in vs_verl if p.split("+")[0] not in VERL_PATHS), key=lambda p, c=call: vs_verl[p][c])
+            for call in ("compute_values", "update_critic")
+        }
+        lines.append(
+            "ppo-critic's fastest / verl's fastest: "
+            + ", ".join(f"{call} {vs_verl[p][call]:.2f}x ({p})" for call, p in best.items())
         )
     for path, ops in summary.get("profile", {}).items():
         top = "; ".join(f"{o['op']} {o['share']:.0%}" for o in ops[:5])

@@ -10,8 +10,10 @@ from typing import Any
 
 from ppo_critic.config import from_mapping
 
-PATHS = ("padded", "packed", "megatron")
+PATHS = ("padded", "packed", "megatron", "verl", "verl_packed")
 LEVERS = ("dyn", "fused", "compile")
+VERL_PATHS = ("verl", "verl_packed")  # verl 0.7's own critic, padded or remove-padding; only the dyn lever
+VERL_SERIES = "0.7."
 QWEN25_05B = {"layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "intermediate": 4864, "vocab": 151936}
 
 
@@ -22,8 +24,9 @@ class BenchConfig:
     `response` (right-padded), lengths uniform around `fill` of the padded widths."""
 
     paths: str = "padded,packed"
-    """comma-separated paths: padded (the baseline), packed, megatron; each optionally with levers dyn, fused,
-    compile joined by + (e.g. packed+dyn+fused)"""
+    """comma-separated paths: padded (the baseline), packed, megatron, and verl 0.7's own critic: verl (padded),
+    verl_packed (verl's use_remove_padding); each optionally with levers joined by + (e.g. packed+dyn+fused):
+    dyn, fused, compile (verl paths: dyn only)"""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
     dtype: str | None = None
@@ -77,12 +80,13 @@ class BenchConfig:
             cfg.intermediate = 4 * cfg.hidden
         if cfg.budget == 0:  # twice the padded tokens of a fixed micro-batch: ~4x the rows at 50 % fill
             cfg.budget = 2 * cfg.micro * (cfg.prompt + cfg.response)
-        unknown = [p for p in cfg.path_list() if p.split("+")[0] not in PATHS or set(p.split("+")[1:]) - set(LEVERS)]
-        if unknown or not cfg.path_list():
+        if not cfg.path_list() or any(_unknown(p) for p in cfg.path_list()):
             raise ValueError(
                 f"paths={self.paths!r}: use a comma-separated list of {PATHS}, each optionally followed by levers "
-                f"from {LEVERS} joined with '+' (e.g. packed+dyn+fused)"
+                f"from {LEVERS} joined with '+' (e.g. packed+dyn+fused; verl paths take dyn only)"
             )
+        if any(p.split("+")[0] in VERL_PATHS for p in cfg.path_list()):
+            _check_verl(self.paths)
         if not 0 < cfg.fill <= 1:
             raise ValueError(f"fill={cfg.fill} must be in (0, 1]")
         sizes = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "batch", "prompt", "response")
@@ -100,6 +104,29 @@ class BenchConfig:
 
     def path_list(self) -> list[str]:
         return [p.strip() for p in self.paths.split(",") if p.strip()]
+
+
+def _unknown(path: str) -> bool:
+    base, *levers = path.split("+")
+    allowed = ("dyn",) if base in VERL_PATHS else LEVERS
+    return base not in PATHS or bool(set(levers) - set(allowed))
+
+
+def _check_verl(paths: str) -> None:
+    """The verl paths run verl 0.7's legacy `DataParallelPPOCritic`: it must be importable in this environment."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("verl")
+    except metadata.PackageNotFoundError:
+        version = None
+    if version is None or not version.startswith(VERL_SERIES):
+        found = f"verl {version} is installed" if version else "verl is not installed"
+        raise ValueError(
+            f"paths={paths!r}: the verl paths run verl {VERL_SERIES}x's own critic, and {found}; run the bench in "
+            "the environment `bash tests/with_verl/run.sh 0.7.1` builds (.venv-verl-0.7.1/bin/ppo-critic bench "
+            "...), or pip install --no-deps verl==0.7.1 and what tests/with_verl/legacy/requirements.txt lists"
+        )
 
 
 def parse_options(overrides: list[str]) -> BenchConfig:
