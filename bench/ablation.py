@@ -29,7 +29,8 @@ import torch
 from ppo_critic.cli import load_config
 from ppo_critic.files import write_file
 from ppo_critic.tasks import CountingTask
-from ppo_critic.train import DEFAULT_MODEL, TrainConfig, train
+from ppo_critic.train import TrainConfig, train
+from ppo_critic.train_config import DEFAULT_MODEL
 
 # verl's critic defaults (verl/trainer/config/critic/critic.yaml and dp_critic.yaml) wherever they apply to this
 # task: one PPO epoch, value clipping at 0.5 around the old values, AdamW with weight decay 0.01 and a constant

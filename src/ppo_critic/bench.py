@@ -174,13 +174,14 @@ def report(summary: dict[str, Any]) -> str:
     vs_verl = summary.get("vs_verl") or {}
     ratio_columns = {"x padded": summary["vs_padded"], **({"x verl": vs_verl} if vs_verl else {})}
     head = "".join(f" {f'{call} {name}':>16}" for name in ratio_columns for call in ("values", "update"))
+    width = max(18, *(len(p) for p in summary["median"]))
     lines = [
         f"{summary['device']}, torch {summary['torch']}, {cfg['dtype']}; {cfg['layers']} layers x {cfg['hidden']}, "
         f"{cfg['batch']} x ({cfg['prompt']} + {cfg['response']}), fill {summary['fill']:.2f}, "
         f"{summary['valid_tokens']} valid tokens",
         "values = compute_values, update = update_critic; tok/s counts valid tokens; x padded = tok/s / padded's"
         + ("; x verl = tok/s / the fastest verl path's" if vs_verl else ""),
-        f"{'path':18} {'values tok/s':>13} {'update tok/s':>13} {'values MFU':>11} {'update MFU':>11} "
+        f"{'path':{width}} {'values tok/s':>13} {'update tok/s':>13} {'values MFU':>11} {'update MFU':>11} "
         f"{'peak GiB':>9}{head}",
     ]
     for path, m in summary["median"].items():
@@ -192,7 +193,7 @@ def report(summary: dict[str, Any]) -> str:
             for call in ("compute_values", "update_critic")
         )
         lines.append(
-            f"{path:18} {m['compute_values']:>13.0f} {m['update_critic']:>13.0f} {mfu[0]:>11} {mfu[1]:>11} "
+            f"{path:{width}} {m['compute_values']:>13.0f} {m['update_critic']:>13.0f} {mfu[0]:>11} {mfu[1]:>11} "
             f"{m['peak_gb']:>9.2f}{ratios}"
         )
     if vs_verl and len(vs_verl) > sum(p.split("+")[0] in VERL_PATHS for p in vs_verl):

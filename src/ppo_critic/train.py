@@ -25,7 +25,6 @@ from ppo_critic.plots import plot_curves
 from ppo_critic.rundir import CHANGEABLE_ON_RESUME
 from ppo_critic.runlog import CURVES_FILE, METRICS_FILE, RunLog, read_metrics
 from ppo_critic.tasks import TASKS
-from ppo_critic.train_config import DEFAULT_MODEL as DEFAULT_MODEL  # re-exported: used by bench/
 from ppo_critic.train_config import TrainConfig, TrainerConfig, resolve_model
 from ppo_critic.worker import CriticWorker, make_critic_worker
 

@@ -1,0 +1,139 @@
+"""The CPU grid of the performance issue: in every cell ppo-critic's fastest path against verl 0.7.1's fastest,
+measured side by side in one `ppo-critic bench` run (same weights, batch and micro-batching; rounds alternate).
+
+Cells: padded width {short 32, medium 384, long 2048} × fill {0.3, 0.5, 0.9} × {fixed micro-batches, dynamic
+token budget} × {float32, bfloat16 autocast}. Each cell runs ours (padded, packed) and verl's (verl, verl_packed),
+with `+dyn` in the dynamic cells, then profiles one update of ours-best and verl-best and splits its time into
+matmuls, attention, the optimizer, other operators, and what no operator accounts for (Python and framework
+overhead). One JSON per cell in bench/results/cpu_grid/ (a finished cell is not rerun); the table is printed
+from them. verl must be importable: run it in the environment `bash tests/with_verl/run.sh 0.7.1` builds.
+
+    OMP_NUM_THREADS=1 .venv-verl-0.7.1/bin/python bench/cpu_grid.py --shard 0/2 &   # one process per core
+    OMP_NUM_THREADS=1 .venv-verl-0.7.1/bin/python bench/cpu_grid.py --shard 1/2
+    .venv-verl-0.7.1/bin/python bench/cpu_grid.py --table                          # the markdown table
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ppo_critic.bench import make_worker, rollouts, run
+from ppo_critic.bench_config import VERL_PATHS, BenchConfig
+from ppo_critic.files import write_file
+
+RESULTS = Path(__file__).resolve().parent / "results" / "cpu_grid"
+MODEL = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 1024}
+# padded width -> prompt, response, rollouts, rows per fixed micro-batch (about 8k padded tokens per call)
+LENGTHS = {"short": (8, 24, 256, 32), "medium": (128, 256, 24, 4), "long": (512, 1536, 4, 2)}
+FILLS = (0.3, 0.5, 0.9)
+BATCHING = {"fixed": "", "dynamic": "+dyn"}
+DTYPES = ("float32", "bfloat16")
+CATEGORIES = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+    "attention": ("scaled_dot_product", "flash_attention", "_efficient_attention", "aten::softmax", "_softmax"),
+    "optimizer": ("adam", "_foreach", "Optimizer"),
+}
+
+
+def cells() -> list[tuple[str, float, str, str]]:
+    """(width, fill, batching, dtype) in table order."""
+    return [(w, f, b, d) for d, w, f, b in itertools.product(DTYPES, LENGTHS, FILLS, BATCHING)]
+
+
+def cell_name(length: str, fill: float, batching: str, dtype: str) -> str:
+    return f"{length}_fill{fill}_{batching}_{dtype}"
+
+
+def measure(length: str, fill: float, batching: str, dtype: str, repeats: int) -> dict:
+    prompt, response, batch, micro = LENGTHS[length]
+    lever = BATCHING[batching]
+    paths = ",".join(p + lever for p in ("padded", "packed", *VERL_PATHS))
+    cfg = BenchConfig(
+        paths=paths, **MODEL, prompt=prompt, response=response, batch=batch, micro=micro, fill=fill, dtype=dtype
+    )
+    summary = run(BenchConfig(**{**cfg.__dict__, "repeats": repeats}))
+    update = {p: m["update_critic"] for p, m in summary["median"].items()}
+    ours = max((p for p in update if p.split("+")[0] not in VERL_PATHS), key=update.get)
+    verl = max((p for p in update if p.split("+")[0] in VERL_PATHS), key=update.get)
+    resolved = cfg.resolved()
+    data = rollouts(resolved.batch, resolved.prompt, resolved.response, fill, resolved.vocab, resolved.seed)
+    summary["bounds"] = {p: bounds(make_worker(resolved, p), data) for p in (ours, verl)}
+    return summary
+
+
+def bounds(worker, batch) -> dict[str, float]:
+    """Shares of one `update_critic`'s wall time: operator self time by category, and the rest (no operator)."""
+    worker.update_critic(batch)  # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter_ns()
+        worker.update_critic(batch)
+        wall = time.perf_counter_ns() - start
+    totals = dict.fromkeys([*CATEGORIES, "other ops"], 0.0)
+    for event in prof.key_averages():
+        kind = next((k for k, keys in CATEGORIES.items() if any(key in event.key for key in keys)), "other ops")
+        totals[kind] += event.self_cpu_time_total * 1e3  # us -> ns
+    shares = {k: v / wall for k, v in totals.items()}
+    shares["no operator"] = max(0.0, 1.0 - sum(shares.values()))
+    return shares
+
+
+def table() -> str:
+    rows = [
+        "| width | fill | batching | dtype | update: ours / verl (best of each) | values: ours / verl | ours-best, "
+        "verl-best (update) | what bounds ours / verl (share of one update) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells():
+        path = RESULTS / f"{cell_name(*cell)}.json"
+        if not path.exists():
+            continue
+        s = json.loads(path.read_text())
+        best = {}
+        for call in ("update_critic", "compute_values"):
+            ours = max(m[call] for p, m in s["median"].items() if p.split("+")[0] not in VERL_PATHS)
+            verl = max(m[call] for p, m in s["median"].items() if p.split("+")[0] in VERL_PATHS)
+            best[call] = ours / verl
+        winners = list(s["bounds"])
+        bound = " / ".join(_top(s["bounds"][p]) for p in winners)
+        length, fill, batching, dtype = cell
+        rows.append(
+            f"| {length} | {fill} (measured {s['fill']:.2f}) | {batching} | {dtype} | **{best['update_critic']:.2f}×** "
+            f"| {best['compute_values']:.2f}× | {', '.join(winners)} | {bound} |"
+        )
+    return "\n".join(rows)
+
+
+def _top(shares: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])[:3])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shard", default="0/1", help="i/n: run every n-th cell starting at i")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--only", default=None, help="run the cells whose name contains this text")
+    parser.add_argument("--table", action="store_true", help="print the table of the finished cells")
+    args = parser.parse_args()
+    if args.table:
+        print(table())
+        return
+    index, count = (int(x) for x in args.shard.split("/"))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for cell in cells()[index::count]:
+        name = cell_name(*cell)
+        out = RESULTS / f"{name}.json"
+        if out.exists() or (args.only and args.only not in name):
+            continue
+        summary = measure(*cell, repeats=args.repeats)
+        write_file(out, json.dumps(summary, indent=1))
+        print(f"{name}: {_top(summary['bounds'][next(iter(summary['bounds']))])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
