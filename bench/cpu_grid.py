@@ -28,9 +28,17 @@ from ppo_critic.bench_config import VERL_PATHS, BenchConfig
 from ppo_critic.files import write_file
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_grid"
-MODEL = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 1024}
-# padded width -> prompt, response, rollouts, rows per fixed micro-batch (about 8k padded tokens per call)
-LENGTHS = {"short": (8, 24, 256, 32), "medium": (128, 256, 24, 4), "long": (512, 1536, 4, 2)}
+# fp32: the CPU bench model; padded width -> prompt, response, rollouts, rows per fixed micro-batch (~8k padded
+# tokens per call). bf16: this machine has no bf16 matmul instructions (AVX2 only): a bf16 matmul runs ~50x
+# slower than fp32 here, so its cells use a model of 1/8 the matmul work and 1/4 of the tokens
+MODEL = {
+    "float32": {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 1024},
+    "bfloat16": {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2, "vocab": 1024},
+}
+LENGTHS = {
+    "float32": {"short": (8, 24, 256, 32), "medium": (128, 256, 24, 4), "long": (512, 1536, 4, 2)},
+    "bfloat16": {"short": (8, 24, 64, 8), "medium": (128, 256, 8, 2), "long": (512, 1536, 2, 1)},
+}
 FILLS = (0.3, 0.5, 0.9)
 BATCHING = {"fixed": "", "dynamic": "+dyn"}
 DTYPES = ("float32", "bfloat16")
@@ -43,7 +51,7 @@ CATEGORIES = {
 
 def cells() -> list[tuple[str, float, str, str]]:
     """(width, fill, batching, dtype) in table order."""
-    return [(w, f, b, d) for d, w, f, b in itertools.product(DTYPES, LENGTHS, FILLS, BATCHING)]
+    return [(w, f, b, d) for d, w, f, b in itertools.product(DTYPES, LENGTHS["float32"], FILLS, BATCHING)]
 
 
 def cell_name(length: str, fill: float, batching: str, dtype: str) -> str:
@@ -51,11 +59,11 @@ def cell_name(length: str, fill: float, batching: str, dtype: str) -> str:
 
 
 def measure(length: str, fill: float, batching: str, dtype: str, repeats: int) -> dict:
-    prompt, response, batch, micro = LENGTHS[length]
+    prompt, response, batch, micro = LENGTHS[dtype][length]
     lever = BATCHING[batching]
     paths = ",".join(p + lever for p in ("padded", "packed", *VERL_PATHS))
     cfg = BenchConfig(
-        paths=paths, **MODEL, prompt=prompt, response=response, batch=batch, micro=micro, fill=fill, dtype=dtype
+        paths=paths, **MODEL[dtype], prompt=prompt, response=response, batch=batch, micro=micro, fill=fill, dtype=dtype
     )
     summary = run(BenchConfig(**{**cfg.__dict__, "repeats": repeats}))
     update = {p: m["update_critic"] for p, m in summary["median"].items()}
@@ -85,9 +93,9 @@ def bounds(worker, batch) -> dict[str, float]:
 
 def table() -> str:
     rows = [
-        "| width | fill | batching | dtype | update: ours / verl (best of each) | values: ours / verl | ours-best, "
-        "verl-best (update) | what bounds ours / verl (share of one update) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| width | fill | batching | dtype | rollouts, per micro-batch | update: ours / verl (best of each) | values: "
+        "ours / verl | ours-best, verl-best (update) | what bounds ours / verl (share of one update) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in cells():
         path = RESULTS / f"{cell_name(*cell)}.json"
@@ -102,8 +110,12 @@ def table() -> str:
         winners = list(s["bounds"])
         bound = " / ".join(_top(s["bounds"][p]) for p in winners)
         length, fill, batching, dtype = cell
+        c = s["config"]
+        per_micro = f"{c['budget']} tokens" if batching == "dynamic" else f"{c['micro']} rows"
+        size = f"{c['batch']} × ({c['prompt']} + {c['response']}), {per_micro}"
         rows.append(
-            f"| {length} | {fill} (measured {s['fill']:.2f}) | {batching} | {dtype} | **{best['update_critic']:.2f}×** "
+            f"| {length} | {fill} (measured {s['fill']:.2f}) | {batching} | {dtype} | {size} "
+            f"| **{best['update_critic']:.2f}×** "
             f"| {best['compute_values']:.2f}× | {', '.join(winners)} | {bound} |"
         )
     return "\n".join(rows)
