@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,6 +140,18 @@ def test_the_report_gives_every_path_against_the_fastest_verl_path():
         lines[-1]
         == "ppo-critic's fastest / verl's fastest: compute_values 2.00x (packed+dyn), update_critic 1.60x (packed+dyn)"
     )
+
+
+@pytest.mark.parametrize("fill", [0.2, 0.3, 0.5, 0.7, 0.9])
+def test_rollouts_fill_their_widths_as_asked(fill):
+    from ppo_critic.bench import rollouts
+
+    batch = rollouts(2048, 256, 256, fill, 64, 0)
+    # lengths uniform on a range of mean fill·256: the sample mean's standard error is ≤ 256/sqrt(12·2048) ≈ 1.6
+    # tokens (0.0063 of the width); 0.03 is > 4 of them plus the range's rounding (≤ 1/256); fills 0.3 and 0.5 once
+    # gave the same rollouts
+    assert abs(float(batch["attention_mask"].float().mean()) - fill) < 0.03
+    assert torch.equal(batch["response_mask"], batch["attention_mask"][:, 256:])
 
 
 def test_gpu_scripts_are_valid_bash():

@@ -98,7 +98,15 @@ def test_unknown_keys_are_named_with_a_suggestion():
         ({"cliprange_value": -0.2}, "cliprange_value=-0.2 must be a positive (finite) number"),
         ({"grad_clip": 0}, "grad_clip=0.0 must be a positive (finite) number"),
         ({"dtype": "int8"}, "dtype='int8' is unknown"),
-        ({"ulysses_sequence_parallel_size": 2}, "needs model.use_remove_padding=true"),
+        (
+            {"ulysses_sequence_parallel_size": 2, "model": {"use_remove_padding": False}},
+            "needs model.use_remove_padding=true (or auto)",
+        ),
+        (
+            {"model": {"use_remove_padding": "yes"}},
+            "model.use_remove_padding='yes' is unknown; expected true, false or",
+        ),
+        ({"model": {"use_remove_padding": 1}}, "model.use_remove_padding=1 is unknown"),
         ({"model": {"value_head_init": "normal:abc"}}, "model.value_head_init='normal:abc' is invalid"),
         ({"model": {"value_head_dtype": "fp8"}}, "model.value_head_dtype='fp8' is unknown"),
         ({"model": {"head": "mlp"}}, "model.head='mlp' is unknown"),
@@ -134,6 +142,15 @@ def test_the_critic_leaves_model_and_optimizer_settings_to_whoever_built_them(ov
         cfg.validate()
 
 
+@pytest.mark.parametrize("value", [True, False, "auto"])
+def test_use_remove_padding_takes_true_false_or_auto(value):
+    assert CriticConfig.from_any({"model": {"use_remove_padding": value}}).model.use_remove_padding == value
+
+
+def test_ulysses_packs_by_default():
+    assert CriticConfig.from_any({"ulysses_sequence_parallel_size": 2}).model.use_remove_padding == "auto"
+
+
 def test_all_problems_are_reported_at_once():
     with pytest.raises(ValueError) as info:
         CriticConfig.from_any({"loss_agg_mode": "x", "ppo_epochs": 0, "shuffle": True})
@@ -155,6 +172,7 @@ def test_dynamic_batching_does_not_need_divisible_micro_batches():
         ({"trainer": {"eval_data": "held_out.jsonl"}}, "trainer.eval_data is read together with data="),
         ({"trainer": {"logger": ["console", "neptune"]}}, "trainer.logger: unknown logger 'neptune'"),
         ({"task": {"name": "chess"}}, "task.name='chess' is unknown; built-in tasks: ['counting']"),
+        ({"critic": {"model": {"use_remove_padding": "on"}}}, "critic.model.use_remove_padding='on' is unknown"),
     ],
 )
 def test_each_invalid_trainer_setting_is_explained(options, message):

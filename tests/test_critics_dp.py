@@ -11,9 +11,10 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from conftest import FakeDataProto, edited, make_batch, state_hash
-from ppo_critic import DataParallelPPOCritic
+from conftest import FakeDataProto, edited, make_batch, state_hash, tiny_config
+from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.algos import LOSS_AGG_MODES, compute_value_loss, explained_variance, masked_mean
+from ppo_critic.attention import VARLEN
 from ppo_critic.batching import dynamic_micro_batches
 from ppo_critic.config import CriticConfig
 from ppo_critic.critics.base import compute_dtype
@@ -362,3 +363,56 @@ def test_bad_config_is_rejected_at_construction(tiny_qwen2, cfg, name):
     model = tiny_qwen2()
     with pytest.raises(ValueError, match=name):
         DataParallelPPOCritic(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def critic_with(model, **model_cfg):
+    """A critic of `model` whose `critic.model` section is `model_cfg`."""
+    return DataParallelPPOCritic(
+        {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 2, "grad_clip": None, "model": model_cfg},
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+    )
+
+
+def test_auto_packs_an_hf_model_on_cpu(tiny_qwen2):
+    model = tiny_qwen2()
+    critic = make_critic(model)
+    assert CriticConfig().model.use_remove_padding == "auto" and critic.use_remove_padding is True
+    assert model.config._attn_implementation == VARLEN
+
+
+@pytest.mark.parametrize(
+    ("build", "model_cfg"),
+    [
+        (lambda _: IdsAsValues(), {}),  # a custom module: no attention to switch
+        (lambda factory: factory(attn_implementation="eager"), {"attn_implementation": "eager"}),
+        (lambda _: build_value_model(tiny_config("mistral")), {}),  # sliding-window layers
+    ],
+    ids=["custom-module", "eager", "sliding-window"],
+)
+def test_auto_pads_where_packing_is_impossible_and_leaves_the_model_as_it_was(tiny_qwen2, build, model_cfg):
+    model = build(tiny_qwen2)
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    critic = critic_with(model, use_remove_padding="auto", **model_cfg)
+    assert critic.use_remove_padding is False
+    assert getattr(getattr(model, "config", None), "_attn_implementation", None) == attn
+    critic.update_critic(make_batch(8, 5, 4, vocab=100))
+
+
+@pytest.mark.parametrize(
+    ("build", "model_cfg", "message"),
+    [
+        (lambda _: IdsAsValues(), {}, "has no transformers model inside"),
+        (lambda factory: factory(), {"attn_implementation": "eager"}, "cannot run packed rows"),
+    ],
+    ids=["custom-module", "eager"],
+)
+def test_explicit_true_still_rejects_what_cannot_pack(tiny_qwen2, build, model_cfg, message):
+    with pytest.raises(ValueError, match=message):
+        critic_with(build(tiny_qwen2), use_remove_padding=True, **model_cfg)
+
+
+def test_explicit_false_pads_an_hf_model(tiny_qwen2):
+    model = tiny_qwen2()
+    assert critic_with(model, use_remove_padding=False).use_remove_padding is False
+    assert model.config._attn_implementation != VARLEN

@@ -192,8 +192,8 @@ CONFIG_CASES = {
         "ppo_max_token_len_per_gpu=0 must be a positive integer",
     ),
     "ulysses-without-remove-padding": (
-        {"ulysses_sequence_parallel_size": 2},
-        "ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true",
+        {"ulysses_sequence_parallel_size": 2, "model": {"use_remove_padding": False}},
+        "ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true (or auto)",
     ),
     "megatron-with-ulysses": (
         {"strategy": "megatron", "ulysses_sequence_parallel_size": 2, "model": {"use_remove_padding": True}},
@@ -274,7 +274,7 @@ def test_rejected_ulysses_config_leaves_the_model_attention_alone(tiny_qwen2):
     with pytest.raises(ValueError, match="needs 2 processes per sequence"):
         DataParallelPPOCritic(ULYSSES, model, optimizer)
     assert model.config._attn_implementation == before
-    DataParallelPPOCritic(CRITIC, model, optimizer).compute_values(GOOD)  # the padded path still works
+    DataParallelPPOCritic(CRITIC, model, optimizer).compute_values(GOOD)  # the model still works
 
 
 def test_token_id_beyond_the_vocabulary_is_rejected_before_any_step(warm_critic):

@@ -36,9 +36,7 @@ def rollouts(batch: int, prompt: int, response: int, fill: float, vocab: int, se
     """Random rollouts whose valid lengths are uniform around `fill` of the padded widths (seeded)."""
     g = torch.Generator().manual_seed(seed)
     t = prompt + response
-    low_p, low_r = max(1, int(prompt * (2 * fill - 1))), max(1, int(response * (2 * fill - 1)))
-    p_len = torch.randint(low_p, prompt + 1, (batch,), generator=g)
-    r_len = torch.randint(low_r, response + 1, (batch,), generator=g)
+    p_len, r_len = (torch.randint(*_length_range(width, fill), (batch,), generator=g) for width in (prompt, response))
     pos = torch.arange(t)
     mask = ((pos >= prompt - p_len[:, None]) & (pos < prompt + r_len[:, None])).long()
     ids = torch.randint(0, vocab, (batch, t), generator=g)
@@ -51,6 +49,14 @@ def rollouts(batch: int, prompt: int, response: int, fill: float, vocab: int, se
         "values": torch.randn(batch, response, generator=g) * 0.1,
         "returns": torch.randn(batch, response, generator=g),
     }
+
+
+def _length_range(width: int, fill: float) -> tuple[int, int]:
+    """`randint` bounds of lengths in [1, width] whose mean is about `fill` × width: the top of the range for
+    fill > 0.5, the bottom for fill ≤ 0.5."""
+    if fill > 0.5:
+        return max(1, int(width * (2 * fill - 1))), width + 1
+    return 1, max(1, round(2 * fill * width)) + 1
 
 
 def make_worker(cfg: BenchConfig, path: str) -> Any:

@@ -88,8 +88,10 @@ class ModelConfig:
     """a module imported before the model is built, e.g. to register an architecture (verl); runs code"""
     trust_remote_code: bool = False
     """let transformers run the model directory's own code (verl); never read from a run's saved config"""
-    use_remove_padding: bool = False
-    """pack each micro-batch's valid tokens into one row (varlen attention) instead of padding (verl)"""
+    use_remove_padding: bool | str = "auto"
+    """pack each micro-batch's valid tokens into one row (varlen attention) instead of padding. auto: packed wherever
+    the model can run packed rows (faster on CUDA and CPU), else padded (e.g. a custom module or
+    attn_implementation=eager); true: packed or an error saying why not; false: padded (verl)"""
     enable_gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory (verl)"""
     enable_activation_offload: bool = False
@@ -113,8 +115,8 @@ class ModelConfig:
     value_head_dtype: str | None = None
     """dtype of the value head, e.g. float32 to keep it in fp32 under bf16 autocast; null: the model's"""
     attn_implementation: str | None = None
-    """transformers' attention (sdpa, eager, flash_attention_2, ...); null: transformers' choice, and with
-    use_remove_padding ppo-critic's varlen attention"""
+    """transformers' attention (sdpa, eager, flash_attention_2, ...); null: transformers' choice, and when packed
+    (use_remove_padding) ppo-critic's varlen attention"""
     use_torch_compile: bool = False
     """torch.compile each decoder layer (ppo_critic.models.compile)"""
 
@@ -214,8 +216,8 @@ class CriticConfig:
     grad_clip: float | None = 1.0
     """clip the gradients' global norm to this; null: no clipping (verl)"""
     ulysses_sequence_parallel_size: int = 1
-    """Ulysses sequence parallelism: each sequence split over this many ranks (needs model.use_remove_padding;
-    verl)"""
+    """Ulysses sequence parallelism: each sequence split over this many ranks (needs model.use_remove_padding true
+    or auto; verl)"""
     dtype: str | None = None
     """compute dtype: bfloat16, float16 or float32; null: bf16 autocast on CUDA, fp32 on CPU"""
     rollout_n: int = 1
@@ -332,8 +334,11 @@ class CriticConfig:
                 )
         if self.shuffle and self.data_loader_seed is None:
             errors.append("shuffle=true needs data_loader_seed (an int) so every rank shuffles identically")
-        if self.ulysses_sequence_parallel_size > 1 and not self.model.use_remove_padding:
-            errors.append("ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true")
+        packing = self.model.use_remove_padding
+        if not (isinstance(packing, bool) or packing == "auto"):
+            errors.append(f"model.use_remove_padding={packing!r} is unknown; expected true, false or auto")
+        elif self.ulysses_sequence_parallel_size > 1 and packing is False:
+            errors.append("ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true (or auto)")
         if self.strategy == "megatron":
             if self.ulysses_sequence_parallel_size != 1:
                 errors.append(

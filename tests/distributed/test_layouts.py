@@ -23,6 +23,7 @@ MODES = ("token-mean", "seq-mean-token-mean")
 # global batch rows: full mini-batches of 8; a short last one (8 + 4: one step of 4 rows); and one whose last row
 # leaves rank 1 without a share (8 + 1: rank 1 steps with an empty mini-batch to keep rank 0's collectives company)
 CASES = {"full": 8, "short": 12, "uneven": 9}
+PADDED = {"use_remove_padding": False}  # the reference is the plain padded run (DESIGN §6), and `base` stays padded
 
 
 def reference(path: Path) -> None:
@@ -37,7 +38,7 @@ def reference(path: Path) -> None:
             model = copy.deepcopy(base)
             before = {k: v.detach().clone() for k, v in model.state_dict().items()}
             critic = DataParallelPPOCritic(
-                {"ppo_mini_batch_size": 8, "grad_clip": None, "loss_agg_mode": mode},
+                {"ppo_mini_batch_size": 8, "grad_clip": None, "loss_agg_mode": mode, "model": PADDED},
                 model,
                 torch.optim.SGD(model.parameters(), lr=0.1),
             )
@@ -46,7 +47,9 @@ def reference(path: Path) -> None:
             delta = torch.cat([(after[k] - v).flatten() for k, v in before.items()])
             updates[mode] = {"before": before, "delta": delta, "metrics": metrics}
         cases[case] = {"batch": batch, "updates": updates}
-    critic = DataParallelPPOCritic({"ppo_mini_batch_size": 8}, base, torch.optim.SGD(base.parameters(), lr=0.1))
+    critic = DataParallelPPOCritic(
+        {"ppo_mini_batch_size": 8, "model": PADDED}, base, torch.optim.SGD(base.parameters(), lr=0.1)
+    )
     values = critic.compute_values(cases["full"]["batch"])
     torch.save({"model": base, "cases": cases, "values": values}, path)
 

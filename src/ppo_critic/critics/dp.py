@@ -1,19 +1,20 @@
 """`DataParallelPPOCritic`: verl's critic API on a plain (or later DDP/FSDP-wrapped) module.
 
 `update_critic` reads like the PPO paper: epochs → mini-batches → micro-batches → one optimizer step per
-mini-batch. How a micro-batch is run (padded today; packed, sharded later) lives in `_forward_micro_batch`.
+mini-batch. How a micro-batch is run (padded, or packed and optionally Ulysses-sharded) lives in `token_values`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ppo_critic.attention import use_packed_attention
+from ppo_critic.attention import packed_blocker, use_packed_attention
 from ppo_critic.batch import MULTI_MODAL, Batch
 from ppo_critic.batching import restore_order
 from ppo_critic.config import CriticConfig
@@ -27,18 +28,20 @@ from ppo_critic.parallel.ulysses import check_heads_of, gather_sequence, sequenc
 from ppo_critic.perf import ModelShape, PhaseTimer
 from ppo_critic.value_norm import ValueNormalizer
 
+log = logging.getLogger(__name__)
+
 
 class DataParallelPPOCritic(PPOCriticBase):
     """PPO value-model trainer: `compute_values(batch)` and `update_critic(batch)` (DESIGN §2–3)."""
 
     def __init__(self, config: Any, critic_module: nn.Module, critic_optimizer: torch.optim.Optimizer):
         self.config = CriticConfig.from_any(config)
-        self.use_remove_padding = self.config.model.use_remove_padding
         self.critic_module = critic_module
         self.critic_optimizer = critic_optimizer
         self.device = next(critic_module.parameters()).device
         self.compute_dtype = compute_dtype(self.config, self.device)
         self.sp_size = self.config.ulysses_sequence_parallel_size
+        self.use_remove_padding = self._packs()
         self.groups = parallel_groups(self.sp_size)
         self.dp_group, self.dp_size = self.groups.dp_group, self.groups.dp_size
         if self.sp_size > 1:
@@ -61,6 +64,18 @@ class DataParallelPPOCritic(PPOCriticBase):
             self.vocab_size = inner.get_input_embeddings().num_embeddings
         if self.use_remove_padding:  # last: a rejected config leaves the model as it was
             use_packed_attention(critic_module, self.config.model.attn_implementation)
+
+    def _packs(self) -> bool:
+        """`model.use_remove_padding` resolved: auto packs unless the model cannot run packed rows (attention that
+        cannot be switched, eager, sliding windows, float32 compute on CUDA); always under Ulysses, which needs them."""
+        setting = self.config.model.use_remove_padding
+        if setting != "auto" or self.sp_size > 1:
+            return bool(setting)
+        name = self.config.model.attn_implementation
+        blocker = packed_blocker(self.critic_module, name, self.device, self.compute_dtype)
+        if blocker:
+            log.debug("model.use_remove_padding=auto: padded batches, since %s", blocker)
+        return blocker is None
 
     def _values(self, batch: Batch, groups: list[list[int]]) -> Tensor:
         outputs = [self._forward_micro_batch(batch.index(g or [0])) for g in groups]  # [] keeps ranks in step
