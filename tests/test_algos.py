@@ -15,7 +15,9 @@ from torch.testing import assert_close
 from ppo_critic.algos import (
     LOSS_AGG_MODES,
     agg_loss,
+    compute_decoupled_gae_advantage_return,
     compute_gae_advantage_return,
+    compute_length_adaptive_gae_advantage_return,
     compute_value_loss,
     doubled_error_loss,
     explained_variance,
@@ -343,6 +345,90 @@ def test_gae_fully_masked_batch_is_zero():
     advantages, returns = compute_gae_advantage_return(rewards, rewards.clone(), torch.zeros(2, 2), GAMMA, LAM)
     assert (advantages == 0).all()
     assert (returns == 0).all()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# decoupled and length-adaptive GAE (VAPO)
+# --------------------------------------------------------------------------------------------------------------
+def test_decoupled_gae_hand_example():
+    # The right-padded example above (gamma 0.9): the actor's lam 0.8 gives the same raw advantages
+    # [0.10624, 0.592, 0.6], [0.53, 1.5] and so the same whitened ones. The critic's lam 1 (gamma*lam = 0.9):
+    # row 0: deltas [-0.32, 0.16, 0.6]; t2: 0.6; t1: 0.16 + 0.9*0.6 = 0.7; t0: -0.32 + 0.9*0.7 = 0.31
+    #   returns = [0.31 + 0.5, 0.7 + 0.2, 0.6 + 0.4] = [0.81, 0.9, 1.0] (the discounted reward-to-go 0.9², 0.9, 1)
+    # row 1: deltas [-0.55, 1.5]; t1: 1.5; t0: -0.55 + 0.9*1.5 = 0.8; returns [1.8, 2.0, 0] (0.9*2, 2)
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0]])
+    values = torch.tensor([[0.5, 0.2, 0.4], [1.0, 0.5, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    advantages, returns = compute_decoupled_gae_advantage_return(rewards, values, mask, GAMMA, 0.8, 1.0)
+    assert_close(returns, torch.tensor([[0.81, 0.9, 1.0], [1.8, 2.0, 0.0]]))
+    assert_close(advantages, torch.tensor([[-1.0985614, -0.1446294, -0.1289191], [-0.2663846, 1.6384945, 0.0]]))
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.8, 1.0])
+def test_decoupled_gae_with_equal_lambdas_is_gae(lam):
+    generator = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(4, 6, generator=generator), torch.randn(4, 6, generator=generator)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0]])
+    expected = compute_gae_advantage_return(rewards, values, mask, GAMMA, lam)
+    got = compute_decoupled_gae_advantage_return(rewards, values, mask, GAMMA, lam_actor=lam, lam_critic=lam)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+# Length-adaptive example: alpha 1, gamma 0.5, lam_actor = 1 - 1/l per row:
+#   row A, l = 4 -> lam 0.75 (gamma*lam = 0.375): rewards [0, 1, 0, 2], values [1, 0.5, 1, 0.5]
+#     t3: delta = 2 + 0 - 0.5 = 1.5                gae = 1.5
+#     t2: delta = 0 + 0.5*0.5 - 1 = -0.75          gae = -0.75 + 0.375*1.5 = -0.1875
+#     t1: delta = 1 + 0.5*1 - 0.5 = 1.0            gae = 1.0 + 0.375*(-0.1875) = 0.9296875
+#     t0: delta = 0 + 0.5*0.5 - 1 = -0.75          gae = -0.75 + 0.375*0.9296875 = -0.4013671875
+#   row B, mask [1, 0, 1, 0], l = 2 -> lam 0.5 (gamma*lam = 0.25): rewards [1, *, 4, *], values [2, *, 1, *]
+#     t2: delta = 4 + 0 - 1 = 3                    gae = 3
+#     t1: masked: advantage 0; the next value stays 1, the last gae 3
+#     t0: delta = 1 + 0.5*1 - 2 = -0.5             gae = -0.5 + 0.25*3 = 0.25
+#   row C, l = 1 -> lam 0 (a sequence of one token): reward 3, value 1: delta = gae = 3 - 1 = 2
+# The critic's lam 1 makes the returns the discounted reward-to-go (values cancel):
+#   A: [0 + 0.5*1.5, 1 + 0.5*1, 0 + 0.5*2, 2] = [0.75, 1.5, 1, 2]; B: [1 + 0.5*4, 0, 4, 0]; C: [3, 0, 0, 0]
+LA_REWARDS = torch.tensor([[0.0, 1.0, 0.0, 2.0], [1.0, 100.0, 4.0, 9.0], [3.0, NAN, INF, 5.0]])
+LA_VALUES = torch.tensor([[1.0, 0.5, 1.0, 0.5], [2.0, -50.0, 1.0, 7.0], [1.0, INF, NAN, -3.0]])
+LA_MASK = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 0], [1, 0, 0, 0]])
+LA_RAW = torch.tensor([[-0.4013671875, 0.9296875, -0.1875, 1.5], [0.25, 0.0, 3.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
+
+
+def test_length_adaptive_gae_hand_example():
+    advantages, returns = compute_length_adaptive_gae_advantage_return(LA_REWARDS, LA_VALUES, LA_MASK, 0.5, alpha=1.0)
+    assert_close(returns, torch.tensor([[0.75, 1.5, 1.0, 2.0], [3.0, 0.0, 4.0, 0.0], [3.0, 0.0, 0.0, 0.0]]))
+    assert_close(advantages, masked_whiten(LA_RAW, LA_MASK))  # whitening itself: test_masked_whiten
+    # a single lam for all rows is not the same: with lam 0.75 row B's t0 would be -0.5 + 0.375*3 = 0.625
+    single, _ = compute_gae_advantage_return(LA_REWARDS, LA_VALUES, LA_MASK, 0.5, 0.75)
+    assert not torch.allclose(single, advantages)
+
+
+def test_length_adaptive_gae_clamps_lambda_of_short_sequences_at_zero():
+    # alpha 0.4, gamma 1: row X (l = 2) has 1 - 1/0.8 = -0.25 -> lam 0; row Y (l = 4) has 1 - 1/1.6 = 0.375
+    #   X: rewards [1, 2], values [0.5, 1]: t1: delta = 2 - 1 = 1; t0: delta = 1 + 1 - 0.5 = 1.5, gae = 1.5 + 0*1
+    #      (unclamped lam -0.25 would give 1.5 - 0.25*1 = 1.25); returns (critic lam 1) [3, 2]
+    #   Y: rewards [0, 0, 0, 1], values 0.5: t3: 0.5; t2: 0 + 0.375*0.5 = 0.1875; t1: 0.375*0.1875 = 0.0703125;
+    #      t0: 0.375*0.0703125 = 0.0263671875; returns [1, 1, 1, 1]
+    rewards = torch.tensor([[1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 1.0, 0.0, 0.0], [0.5, 0.5, 0.5, 0.5]])
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    advantages, returns = compute_length_adaptive_gae_advantage_return(rewards, values, mask, 1.0, alpha=0.4)
+    assert_close(returns, torch.tensor([[3.0, 2.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]))
+    raw = torch.tensor([[1.5, 1.0, 0.0, 0.0], [0.0263671875, 0.0703125, 0.1875, 0.5]])
+    assert_close(advantages, masked_whiten(raw, mask))
+
+
+def test_length_adaptive_gae_default_alpha_and_its_check():
+    # alpha 0.05 (VAPO's): a 100-token response gets lam 1 - 1/5 = 0.8, a 10-token one lam 0 (clamped from -1)
+    generator = torch.Generator().manual_seed(1)
+    rewards, values = torch.randn(2, 100, generator=generator), torch.randn(2, 100, generator=generator)
+    mask = torch.ones(2, 100, dtype=torch.long)
+    mask[1, 10:] = 0
+    advantages, returns = compute_length_adaptive_gae_advantage_return(rewards, values, mask, 0.9)
+    expected = compute_decoupled_gae_advantage_return(rewards, values, mask, 0.9, torch.tensor([0.8, 0.0]), 1.0)
+    assert_close(advantages, expected[0])  # 0.05 * 100 is 5 only up to rounding: close, not equal
+    assert torch.equal(returns, expected[1])
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        compute_length_adaptive_gae_advantage_return(rewards, values, mask, 0.9, alpha=0.0)
 
 
 # --------------------------------------------------------------------------------------------------------------

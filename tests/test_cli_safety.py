@@ -188,7 +188,7 @@ def test_sigterm_saves_nothing_partial_and_says_where_to_resume(tmp_path, capsys
     code, text = cli(
         ["train", *RUN_ARGS, f"trainer.run_dir={run}", f"trainer.steps={int(newest.name[5:]) + 1}"], capsys
     )
-    assert code == 0 and f"resumed from {newest}" in text
+    assert code == 0 and f"resumed from {newest}" in text, text
 
 
 def test_a_real_full_disk_during_a_checkpoint(tmp_path, capsys):

@@ -171,7 +171,13 @@ def test_dynamic_batching_does_not_need_divisible_micro_batches():
         ({"trainer": {"eval_fraction": -0.1}}, "trainer.eval_fraction=-0.1 must be in [0, 1)"),
         ({"trainer": {"eval_data": "held_out.jsonl"}}, "trainer.eval_data is read together with data="),
         ({"trainer": {"logger": ["console", "neptune"]}}, "trainer.logger: unknown logger 'neptune'"),
-        ({"task": {"name": "chess"}}, "task.name='chess' is unknown; built-in tasks: ['counting']"),
+        ({"trainer": {"length_adaptive_alpha": 0}}, "trainer.length_adaptive_alpha=0.0 must be a number > 0"),
+        ({"trainer": {"length_adaptive_alpha": "x"}}, "trainer.length_adaptive_alpha='x' must be a number"),
+        ({"task": {"name": "dense", "num_targets": 2}}, "unknown config key 'task.num_targets'"),
+        (
+            {"task": {"name": "chess"}},
+            "task.name='chess' is unknown; built-in tasks: ['counting', 'dense', 'lengths', 'long', 'recall', 'scale']",
+        ),
         ({"critic": {"model": {"use_remove_padding": "on"}}}, "critic.model.use_remove_padding='on' is unknown"),
     ],
 )

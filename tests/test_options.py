@@ -41,7 +41,7 @@ def test_the_yaml_lists_every_option_with_its_description_as_a_comment():
     task = options.field_docs(TASK_CONFIGS["counting"])
     assert f"    betas: [0.9, 0.999]  # {optim['betas']}" in lines
     assert f"  eval_fraction: 0.1  # {trainer['eval_fraction']}" in lines
-    assert f"  max_response_len: 12  # {task['max_response_len']}" in lines
+    assert f"  # max_response_len: 12  # {task['max_response_len']}" in lines
     assert f"  # num_fillers: 8  # {task['num_fillers']}" in lines  # left at its default by `task`: commented out
     settings = [line for line in lines if line and not line.startswith("#")]
     assert len(settings) == len(options.train_options(TrainConfig()))  # one line per option and per group

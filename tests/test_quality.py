@@ -205,44 +205,63 @@ def test_megatron_names_the_quality_options_it_does_not_support():
     worker_config({"strategy": "megatron", "model": {"value_head_dtype": "float32"}})
 
 
-def test_the_ablation_script_runs_a_configuration_and_tabulates_it():
-    """bench/ablation.py end to end on a tiny budget: an EV curve per run, and a table row per configuration."""
+def _ablation():
     import importlib.util
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "bench" / "ablation.py"
     spec = importlib.util.spec_from_file_location("ablation", path)
     ablation = importlib.util.module_from_spec(spec)
+    sys.modules["ablation"] = ablation  # its dataclass resolves annotations through its module
     spec.loader.exec_module(ablation)
+    return ablation
+
+
+def test_the_ablation_script_runs_configurations_and_tabulates_them():
+    """bench/ablation.py end to end on a tiny budget: an EV curve per run, a row per configuration, the summary."""
+    ablation = _ablation()
     tiny = ["trainer.rollout_batch_size=8", "trainer.eval_size=16", "critic.ppo_mini_batch_size=4"]
     tiny += ["critic.ppo_micro_batch_size_per_gpu=4", "critic.model.override_config.hidden_size=32"]
-    runs = [
-        ablation.run_one(name, [*ablation.CONFIGS[name][1], *tiny], seed=0, steps=4, eval_every=2, target=-1.0)
-        for name in ("plain", "new_default")
-    ]
-    assert [[s for s, _, _ in r["curve"]] for r in runs] == [[2, 4], [2, 4]]
-    assert all(r["steps_to_target"] == 2 and r["best_ev"] == max(ev for _, ev, _ in r["curve"]) for r in runs)
-    text = ablation.table(runs, (-1.0, 2.0), timing={"plain": 0.5})
-    rows = text.splitlines()[2:]
-    assert rows[0].startswith("| plain | 1 | 2 (2) | 1 | — (—) | — |") and rows[1].startswith("| new_default | 1 |")
+    names = ("verl_lr1e-3", "verl_lr3e-3", "previous")
+    runs = {
+        name: [ablation.run_one(name, [*ablation.overrides_of(name, "dense"), *tiny], seed=0, steps=4, eval_every=2)]
+        for name in names
+    }
+    assert all([s for s, _, _ in r[0]["curve"]] == [2, 4] for r in runs.values())
+    assert all(r[0]["best_ev"] == max(ev for _, ev, _ in r[0]["curve"]) for r in runs.values())
+    # a made-up outcome: verl at 3e-3 reaches 0.95 at 4, the default at 2 -> 0.5, the bar met
+    runs["verl_lr3e-3"][0]["curve"] = [(2, 0.5, 1.0), (4, 0.96, 2.0)]
+    runs["previous"][0]["curve"] = [(2, 0.97, 1.0), (4, 0.99, 2.0)]
+    runs["previous"][0]["best_ev"], runs["verl_lr3e-3"][0]["best_ev"] = 0.99, 0.96
+    assert ablation.verl_best(runs) == "verl_lr3e-3"
+    rows = ablation.task_table("dense", runs, {"previous": 0.5}).splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == ["| verl_lr1e-3", "| **verl_lr3e-3** (verl-best)", "| **previous**"]
+    assert rows[2].startswith("| **previous** | 1 | 2 (2) | 2 (2) | 0.990 (0.990) |") and rows[2].endswith("| 0.500 |")
+    timing = {"dense": {"previous": 0.5, "verl_lr3e-3": 0.6}}
+    (row,) = ablation.summary_table({"dense": runs}, timing).splitlines()[2:]
+    assert row.startswith("| dense |") and "| verl_lr3e-3 | 4 | 2 | 0.50 | 0.960 / 0.990 | 0.600 / 0.500 | yes |" in row
+    timing["dense"]["previous"] = 0.7  # slower per iteration: the bar is not met
+    assert ablation.summary_table({"dense": runs}, timing).endswith("| **no** |")
 
 
-def test_the_ablation_baselines_are_verls_critic_defaults_whatever_ppo_critic_train_defaults_to():
-    """`plain` pins every critic key, so changing the defaults of `ppo-critic train` cannot leak into it."""
-    import importlib.util
-    from pathlib import Path
-
+def test_the_ablation_baselines_are_verls_critic_whatever_ppo_critic_train_defaults_to():
+    """The baselines pin every critic key, so changing the defaults of `ppo-critic train` cannot leak into them;
+    the ablation's DEFAULT is what `ppo-critic train` runs; every suite task loads and all tasks are in it."""
     from ppo_critic.cli import load_config
     from ppo_critic.config import OptimConfig
+    from ppo_critic.tasks import TASK_CONFIGS
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "ablation.py"
-    spec = importlib.util.spec_from_file_location("ablation", path)
-    ablation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablation)
+    ablation = _ablation()
     batches = {"strategy": "none", "ppo_mini_batch_size": 96, "ppo_micro_batch_size_per_gpu": None}
-    for name, lr, lam in (("plain", 1e-3, 0.95), ("verl_literal", 1e-5, 1.0)):
-        cfg = load_config(None, ablation.CONFIGS[name][1])
-        assert cfg.critic == CriticConfig(**batches, optim=OptimConfig(lr=lr)), name
-        assert (cfg.trainer.lam, cfg.trainer.critic_warmup_steps) == (lam, 0)
-    new_default = load_config(None, ablation.CONFIGS["new_default"][1])
-    assert new_default.critic == load_config(None, []).critic and new_default.trainer.lam == 0.5
+    for lr in ablation.BASELINE_LRS:
+        cfg = load_config(None, ablation.CONFIGS[f"verl_lr{lr}"][1])
+        assert cfg.critic == CriticConfig(**batches, optim=OptimConfig(lr=float(lr))), lr
+        t = cfg.trainer
+        assert (t.lam, t.length_adaptive_alpha, t.critic_warmup_steps, t.rollout_batch_size) == (1.0, None, 0, 192)
+    default, train = load_config(None, ablation.DEFAULT), load_config(None, [])
+    assert default.critic == train.critic and default.trainer == train.trainer
+    assert sorted(ablation.SUITE) == sorted(TASK_CONFIGS)
+    for name, task in ablation.SUITE.items():
+        cfg = load_config(None, ablation.overrides_of("previous", name))
+        assert cfg.task["name"] == name and task.steps % task.eval_every == 0

@@ -207,3 +207,46 @@ def test_evaluate_is_perfect_for_a_critic_that_outputs_the_truth(tmp_path):
     # 1 - 0/Var up to the rounding of the variance (pytest's default rel=1e-6); the error is exactly 0
     assert m["eval/ev_true"] == pytest.approx(1.0) and m["eval/mae_true"] == 0
     assert 0 < m["eval/ev_returns"] < 1  # returns are noisy samples of the truth
+
+
+class _Recorder:
+    """A worker stand-in for `_iteration`: fixed values, and the batch `update_critic` is given."""
+
+    def __init__(self, step: int, values: torch.Tensor):
+        self.step, self.values, self.seen = step, values, None
+
+    def compute_values(self, batch):
+        return self.values
+
+    def update_critic(self, batch):
+        self.seen = batch
+        return {}
+
+
+@pytest.mark.parametrize(
+    ("step", "settings", "lam"),
+    [
+        (0, {"lam": 0.5, "critic_warmup_steps": 2}, "mc"),  # warmup: Monte-Carlo returns
+        (2, {"lam": 0.5, "critic_warmup_steps": 2}, "lam"),
+        (0, {"lam": 0.5, "length_adaptive_alpha": 0.25}, "adaptive"),
+        (0, {"lam": 0.5, "length_adaptive_alpha": 0.25, "critic_warmup_steps": 1}, "mc"),
+    ],
+)
+def test_the_critics_targets_use_the_trainers_lambda(step, settings, lam):
+    from ppo_critic.algos import compute_gae_advantage_return, length_adaptive_lambda
+    from ppo_critic.tasks import CountingTask
+    from ppo_critic.train_config import TrainerConfig
+
+    batch = CountingTask().sample(6, torch.Generator().manual_seed(0))
+    values = torch.rand(batch["responses"].shape, generator=torch.Generator().manual_seed(1))
+    worker = _Recorder(step, values)
+    trainer = TrainerConfig(gamma=0.9, **settings)
+    train_mod._iteration(worker, type("Source", (), {"next_batch": lambda self: dict(batch)})(), trainer)
+    mask = batch["response_mask"]
+    expected_lam = {"mc": 1.0, "lam": 0.5, "adaptive": length_adaptive_lambda(mask, 0.25)}[lam]
+    _, expected = compute_gae_advantage_return(batch["token_level_rewards"], values, mask, 0.9, expected_lam)
+    assert torch.equal(worker.seen["returns"], expected)
+    if lam == "adaptive":  # lengths 4..12 at alpha 0.25: lambdas 0 .. 2/3, not one lam for all
+        assert len(set(expected_lam.tolist())) > 1
+        _, single = compute_gae_advantage_return(batch["token_level_rewards"], values, mask, 0.9, 0.5)
+        assert not torch.equal(expected, single)

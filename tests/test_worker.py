@@ -86,6 +86,66 @@ def test_update_steps_the_schedule_and_reports_the_lr_it_used():
     assert worker.step == 4
 
 
+def _head_and_body(worker: CriticWorker) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    head = {id(p) for p in worker.model.score.parameters()}
+    params = [p.detach().clone() for p in worker.model.parameters()]
+    return (
+        [c for p, c in zip(worker.model.parameters(), params, strict=True) if id(p) in head],
+        [c for p, c in zip(worker.model.parameters(), params, strict=True) if id(p) not in head],
+    )
+
+
+def test_value_head_lr_ratio_scales_only_the_heads_step():
+    # SGD without weight decay: a step is -lr·g, so the same gradient under lr and 10·lr gives steps 10x apart up
+    # to roundings: lr·g (rel 2**-24) and the new parameter (abs ulp(p)/2 <= |p|·2**-24); the measured step p1 - p0
+    # is then exact (Sterbenz). Compared as fast vs 10·slow: abs error <= 11·max|p|·2**-24, rel 2·2**-24
+    configs = {ratio: worker_config(optimizer="sgd", weight_decay=0.0, value_head_lr_ratio=ratio) for ratio in (1, 10)}
+    batch = make_batch(8, 6, 5)
+    steps = {}
+    for ratio, config in configs.items():
+        worker = CriticWorker({**config, "ppo_mini_batch_size": 8}, total_steps=4)  # one optimizer step
+        head0, body0 = _head_and_body(worker)  # the same init (seed) in both workers
+        worker.update_critic(batch)
+        head1, body1 = _head_and_body(worker)
+        steps[ratio] = (
+            [b - a for a, b in zip(head0, head1, strict=True)],
+            [b - a for a, b in zip(body0, body1, strict=True)],
+        )
+        groups = worker.optimizer.param_groups
+        assert len(groups) == (1 if ratio == 1 else 2)
+        assert groups[-1]["lr"] == pytest.approx(1e-2 * ratio)
+    for fast, slow, param in zip(steps[10][0], steps[1][0], head0, strict=True):
+        assert slow.abs().max() > 0
+        largest = (param.abs() + fast.abs()).max().item()  # bounds |p| before and after either step
+        torch.testing.assert_close(fast, 10 * slow, rtol=2 * 2**-24, atol=11 * largest * 2**-24)
+    assert all(torch.equal(a, b) for a, b in zip(steps[10][1], steps[1][1], strict=True))  # the body: same step
+
+
+def test_value_head_lr_ratio_follows_the_schedule_and_a_new_rate():
+    worker = CriticWorker(worker_config(value_head_lr_ratio=4.0, lr_warmup_steps=2), total_steps=4)
+    batch = make_batch(8, 6, 5)
+    body, head = worker.optimizer.param_groups
+    assert (body["lr"], head["lr"]) == pytest.approx((5e-3, 2e-2))  # warmup step 1 of 2
+    worker.update_critic(batch)
+    assert (body["lr"], head["lr"]) == pytest.approx((1e-2, 4e-2))
+    worker.set_learning_rate(1e-3)
+    assert (body["lr"], head["lr"]) == pytest.approx((1e-3, 4e-3))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"optim": {"value_head_lr_ratio": 0.0}}, "optim.value_head_lr_ratio=0.0 must be a positive"),
+        ({"optim": {"value_head_lr_ratio": float("inf")}}, "optim.value_head_lr_ratio=inf must be a positive"),
+        ({"strategy": "megatron", "optim": {"value_head_lr_ratio": 2.0}}, "not supported with strategy=megatron"),
+    ],
+)
+def test_value_head_lr_ratio_errors(settings, message):
+    config = {**worker_config(), **settings, "optim": {"lr": 1e-2, **settings["optim"]}}
+    with pytest.raises(ValueError, match=message):
+        CriticConfig.from_any(config, worker=True)
+
+
 def test_checkpoint_round_trip_restores_everything(tmp_path):
     worker = CriticWorker(worker_config(), total_steps=10)
     batch = make_batch(8, 6, 5)

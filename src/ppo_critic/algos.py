@@ -150,9 +150,9 @@ def compute_value_loss(
 
 @torch.no_grad()
 def compute_gae_advantage_return(
-    token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float
+    token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float | Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over response tokens.
+    """Generalised advantage estimation over response tokens (`lam` one λ, or one per row as a [B] tensor).
 
     Masked positions are skipped (a masked gap carries the next value and advantage through), so
     right padding and interior masks both work. Returns `(advantages, returns)`: advantages whitened over
@@ -173,3 +173,54 @@ def compute_gae_advantage_return(
         last_gae = torch.where(valid, gae, last_gae)
     returns = _masked(advantages + values, mask)
     return masked_whiten(advantages, mask), returns
+
+
+@torch.no_grad()
+def compute_decoupled_gae_advantage_return(
+    token_level_rewards: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    gamma: float,
+    lam_actor: float | Tensor,
+    lam_critic: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Decoupled GAE (VAPO): the actor's advantages with `lam_actor`, the critic's returns with `lam_critic`.
+
+    λ = 1 for the critic gives returns free of the bias that bootstrapping from an imperfect critic adds (the
+    value of a sparse reward then reaches the first tokens), while the actor keeps a lower-variance λ < 1.
+    `lam_actor` may be one λ per sequence ([B] tensor). Conventions are `compute_gae_advantage_return`'s:
+    `(advantages, returns)`, advantages whitened over valid tokens, returns = raw advantages (with `lam_critic`)
+    + values, both 0 at masked positions; with lam_actor == lam_critic the result is that function's.
+    """
+    advantages, _ = compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam_actor)
+    _, returns = compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam_critic)
+    return advantages, returns
+
+
+@torch.no_grad()
+def compute_length_adaptive_gae_advantage_return(
+    token_level_rewards: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    gamma: float,
+    alpha: float = 0.05,
+    lam_critic: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Length-adaptive GAE (VAPO): decoupled GAE whose actor λ is `1 − 1/(α·l)` per sequence, l its valid tokens.
+
+    The TD errors' weights (γ = 1) sum to Σ λ^k = 1/(1 − λ) = α·l, growing with the length, so a long response is
+    not left to bootstrapped values near its start nor a short one to high-variance sums. λ is clamped to [0, 1]:
+    sequences shorter than 1/α tokens (20 at α = 0.05) get λ = 0 (one-step TD); empty ones are all masked anyway.
+    """
+    lam_actor = length_adaptive_lambda(response_mask, alpha, torch.promote_types(values.dtype, torch.float32))
+    return compute_decoupled_gae_advantage_return(
+        token_level_rewards, values, response_mask, gamma, lam_actor, lam_critic
+    )
+
+
+def length_adaptive_lambda(response_mask: Tensor, alpha: float, dtype: torch.dtype = torch.float32) -> Tensor:
+    """[B] VAPO's per-sequence λ = 1 − 1/(α·l), l the valid tokens of the row, clamped to [0, 1]."""
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    lengths = response_mask.bool().sum(-1).to(dtype)
+    return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)

@@ -72,6 +72,8 @@ class OptimConfig:
     """the floor of the cosine decay, as a fraction of lr; null: 0 (verl)"""
     fused: bool | None = None
     """AdamW's fused kernel: true / false, or null for torch's default (foreach)"""
+    value_head_lr_ratio: float = 1.0
+    """the value head's learning rate as a multiple of lr (its own parameter group; the schedule scales both)"""
 
 
 @dataclass
@@ -439,6 +441,10 @@ class CriticConfig:
             errors.append(f"optim.fused={o.fused!r} must be true, false or null (torch's default)")
         elif o.fused and (o.optimizer != "adamw" or self.strategy == "megatron"):
             errors.append("optim.fused=true applies to AdamW on the data-parallel backends; set null")
+        if not _positive_number(o.value_head_lr_ratio):
+            errors.append(f"optim.value_head_lr_ratio={o.value_head_lr_ratio!r} must be a positive (finite) number")
+        elif o.value_head_lr_ratio != 1 and self.strategy == "megatron":
+            errors.append("optim.value_head_lr_ratio != 1 is not supported with strategy=megatron yet; set 1")
         return errors
 
 

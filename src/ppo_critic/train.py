@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ppo_critic import console, rundir
-from ppo_critic.algos import compute_gae_advantage_return, explained_variance, masked_mean
+from ppo_critic.algos import compute_gae_advantage_return, explained_variance, length_adaptive_lambda, masked_mean
 from ppo_critic.checkpoint import latest_checkpoint
 from ppo_critic.files import write_file
 from ppo_critic.plots import plot_curves
@@ -279,17 +279,23 @@ def run_title(cfg: TrainConfig, source: TaskSource | FileSource) -> str:
     shape = model.override_config
     what = Path(model.path).name if model.path else f"{shape.get('model_type')} {shape.get('hidden_size')}×"
     what += "" if model.path else f"{shape.get('num_hidden_layers')}"
+    t = cfg.trainer
+    lam = f"1−1/({t.length_adaptive_alpha:g}·l)" if t.length_adaptive_alpha is not None else f"{t.lam:g}"
     return (
-        f"{cfg.trainer.run_dir} — {source.name}, {what}, lr {cfg.critic.optim.lr:g}, ema {cfg.critic.ema_decay:g}, "
-        f"λ {cfg.trainer.lam:g}, γ {cfg.trainer.gamma:g}"
+        f"{t.run_dir} — {source.name}, {what}, lr {cfg.critic.optim.lr:g}, ema {cfg.critic.ema_decay:g}, "
+        f"λ {lam}, γ {t.gamma:g}"
     )
 
 
 def _iteration(worker: CriticWorker, source: TaskSource | FileSource, t: TrainerConfig) -> dict[str, float]:
     batch = source.next_batch()
     batch["values"] = worker.compute_values(batch)
-    lam = 1.0 if worker.step < t.critic_warmup_steps else t.lam  # Monte-Carlo returns while the critic warms up
-    _, batch["returns"] = compute_gae_advantage_return(
-        batch["token_level_rewards"], batch["values"], batch["response_mask"], t.gamma, lam
-    )
+    rewards, values, mask = batch["token_level_rewards"], batch["values"], batch["response_mask"]
+    if worker.step < t.critic_warmup_steps:  # Monte-Carlo returns while the critic warms up
+        _, batch["returns"] = compute_gae_advantage_return(rewards, values, mask, t.gamma, 1.0)
+    elif t.length_adaptive_alpha is not None:
+        lam = length_adaptive_lambda(mask, t.length_adaptive_alpha)
+        _, batch["returns"] = compute_gae_advantage_return(rewards, values, mask, t.gamma, lam)
+    else:
+        _, batch["returns"] = compute_gae_advantage_return(rewards, values, mask, t.gamma, t.lam)
     return worker.update_critic(batch)

@@ -48,6 +48,9 @@ class TrainerConfig:
     """discount factor of the returns (GAE's γ)"""
     lam: float = 0.5
     """GAE's λ after the warmup steps (1: Monte-Carlo returns; lower: more bootstrapping from the critic's values)"""
+    length_adaptive_alpha: float | None = None
+    """VAPO's length-adaptive λ for the critic's targets: each response's λ = 1 − 1/(α·l), l its tokens, clamped to
+    [0, 1], in place of lam; null: lam for every response"""
     critic_warmup_steps: int = 0
     """the first N steps use Monte-Carlo returns (λ = 1), not bootstrapped from an untrained critic (not verl's
     trainer.critic_warmup, which freezes an actor)"""
@@ -106,7 +109,7 @@ def _default_critic() -> CriticConfig:
 class TrainConfig:
     """Everything `ppo-critic train` reads: the rollout source (`task` or `data`), the critic, the loop."""
 
-    task: dict = field(default_factory=lambda: {"name": "counting", "num_targets": 2, "max_response_len": 12})
+    task: dict = field(default_factory=lambda: {"name": "counting"})
     """the built-in rollout task, read when data is null: its name and its options"""
     data: str | None = None
     """a rollout file (.jsonl or .parquet) to train on instead of the built-in task"""
@@ -135,6 +138,9 @@ class TrainConfig:
             raise ValueError("trainer.save_every and trainer.keep_last_n must be >= 0 (0: only at the end / keep all)")
         if not (0 <= t.gamma <= 1 and 0 <= t.lam <= 1):
             raise ValueError(f"trainer.gamma={t.gamma} and trainer.lam={t.lam} must be in [0, 1]")
+        alpha = t.length_adaptive_alpha
+        if alpha is not None and not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"trainer.length_adaptive_alpha={alpha!r} must be a number > 0, or null (trainer.lam)")
         mini = self.critic.ppo_mini_batch_size * self.critic.rollout_n
         if t.rollout_batch_size % mini:
             raise ValueError(

@@ -60,7 +60,7 @@ class CriticWorker:
             compile_decoder_layers(model)
         offload = bool(self.config.model.fsdp_config.get("param_offload", False))
         self.model = parallelize(model, self.config.strategy, self.device, cpu_offload=offload)
-        self.optimizer = _torch_optimizer([p for p in self.model.parameters() if p.requires_grad], optim)
+        self.optimizer = _torch_optimizer(_param_groups(self.model, optim), optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.critic = DataParallelPPOCritic(per_rank_config(self.config, self.dp_size), self.model, self.optimizer)
         self.step = 0
@@ -135,10 +135,12 @@ class CriticWorker:
     def set_learning_rate(self, lr: float) -> None:
         """A new base rate (an option changed on resume): the schedule goes on from its current step at this rate."""
         scheduler = self.scheduler
-        scheduler.base_lrs = [lr for _ in scheduler.base_lrs]
-        for group, factor in zip(self.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-            group["initial_lr"] = lr
-            group["lr"] = lr * factor(scheduler.last_epoch)
+        scheduler.base_lrs = [lr * group.get("lr_ratio", 1.0) for group in self.optimizer.param_groups]
+        for group, factor, base in zip(
+            self.optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs, strict=True
+        ):
+            group["initial_lr"] = base
+            group["lr"] = base * factor(scheduler.last_epoch)
 
     def _ema_state(self) -> dict[str, Tensor]:
         """The moving average of `critic.ema_decay` (the live tensors, sharded like the parameters; or nothing)."""
@@ -478,6 +480,23 @@ def per_rank_config(config: CriticConfig, dp_size: int) -> CriticConfig:
         )
     cfg.validate()
     return cfg
+
+
+def _param_groups(model: torch.nn.Module, optim: OptimConfig) -> list[dict[str, Any]]:
+    """The trainable parameters as optimizer groups: one, or with `optim.value_head_lr_ratio` != 1 the body and
+    the value head, each group's `lr_ratio` (its rate over `optim.lr`) kept for a rate changed on resume."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if optim.value_head_lr_ratio == 1:
+        return [{"params": trainable, "lr_ratio": 1.0}]
+    from ppo_critic.models.hf import find_value_head
+
+    parent, name = find_value_head(model)
+    head = {id(p) for p in getattr(parent, name).parameters()}
+    ratio = optim.value_head_lr_ratio
+    return [
+        {"params": [p for p in trainable if id(p) not in head], "lr_ratio": 1.0},
+        {"params": [p for p in trainable if id(p) in head], "lr_ratio": ratio, "lr": optim.lr * ratio},
+    ]
 
 
 def _torch_optimizer(params: Any, optim: OptimConfig) -> torch.optim.Optimizer:

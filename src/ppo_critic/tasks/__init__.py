@@ -1,25 +1,57 @@
-"""Built-in rollout tasks whose true value function is known in closed form (to train and judge a critic).
+"""Built-in rollout tasks whose true value function is known exactly (to train and judge a critic).
 
-`TASK_CONFIGS` (name -> options dataclass) is torch-free, so configs load and `--help` runs without torch; the
-task classes (`TASKS`: name -> (task class, options dataclass), `CountingTask`) are imported on first use.
+| name     | stresses                                                | value                          |
+|----------|---------------------------------------------------------|--------------------------------|
+| counting | a sparse terminal reward that depends on a count        | binomial tail                  |
+| dense    | a reward on many tokens; gamma shapes the whole value   | geometric sums of a chain      |
+| long     | 256-288 token responses, one reward at the very end     | binomial tail                  |
+| recall   | a key 100+ tokens before the response decides the value | binomial tail                  |
+| lengths  | response lengths 8..96 set by a random EOS              | backward induction (float64)   |
+| scale    | rewards in [-30, 50] around 10: value normalisation     | linear in the running mean     |
+
+Each module's docstring gives its generative process and closed form; every task offers the members of
+`ppo_critic.tasks.common.Task`. `TASK_CONFIGS` (name -> options dataclass) is torch-free, so configs load and
+`--help` runs without torch; the task classes (`TASKS`: name -> (task class, options dataclass), and each class by
+its name) are imported on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from ppo_critic.tasks.counting_config import CountingTaskConfig
+from ppo_critic.tasks.dense_config import DenseTaskConfig
+from ppo_critic.tasks.lengths_config import LengthsTaskConfig
+from ppo_critic.tasks.long_config import LongTaskConfig
+from ppo_critic.tasks.recall_config import RecallTaskConfig
+from ppo_critic.tasks.scale_config import ScaleTaskConfig
 
-TASK_CONFIGS = {"counting": CountingTaskConfig}
+TASK_CONFIGS = {
+    "counting": CountingTaskConfig,
+    "dense": DenseTaskConfig,
+    "long": LongTaskConfig,
+    "recall": RecallTaskConfig,
+    "lengths": LengthsTaskConfig,
+    "scale": ScaleTaskConfig,
+}
+_CLASSES = {  # name -> the task class in module ppo_critic.tasks.<name>
+    "counting": "CountingTask",
+    "dense": "DenseTask",
+    "long": "LongTask",
+    "recall": "RecallTask",
+    "lengths": "LengthsTask",
+    "scale": "ScaleTask",
+}
 
-__all__ = ["TASKS", "TASK_CONFIGS", "CountingTask", "CountingTaskConfig"]
+__all__ = ["TASKS", "TASK_CONFIGS", *_CLASSES.values(), *(cls.__name__ for cls in TASK_CONFIGS.values())]
 
 
 def __getattr__(name: str) -> Any:
-    """`TASKS` and `CountingTask`, imported (with torch) when first asked for (PEP 562)."""
-    if name not in ("TASKS", "CountingTask"):
+    """`TASKS` and the task classes, imported (with torch) when first asked for (PEP 562)."""
+    if name != "TASKS" and name not in _CLASSES.values():
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from ppo_critic.tasks.counting import CountingTask
-
-    globals().update(TASKS={"counting": (CountingTask, CountingTaskConfig)}, CountingTask=CountingTask)
+    classes = {key: getattr(importlib.import_module(f"{__name__}.{key}"), cls) for key, cls in _CLASSES.items()}
+    globals().update(TASKS={key: (classes[key], TASK_CONFIGS[key]) for key in TASK_CONFIGS})
+    globals().update({cls.__name__: cls for cls in classes.values()})
     return globals()[name]

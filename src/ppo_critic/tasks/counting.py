@@ -13,25 +13,31 @@ last response token. So the value before response token t (c_t targets seen so f
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ppo_critic.batch import Batch
+from ppo_critic.tasks.common import (
+    TokenBlock,
+    binomial_tail_table,
+    check_batch_size,
+    check_gamma,
+    check_prefix,
+    continuation,
+    count_values,
+    iid_tokens,
+    integers,
+    left_padded_prompts,
+    prefix_mask,
+    read_header,
+    repeat_row,
+    rollout_batch,
+    split_layout,
+    terminal_rewards,
+)
 from ppo_critic.tasks.counting_config import CountingTaskConfig
-
-
-def binomial_tail_table(max_n: int, max_k: int, p: float) -> Tensor:
-    """`table[n, k] = P(Binomial(n, p) >= k)` for n <= max_n, k <= max_k, exact in float64 (small n only)."""
-    table = torch.zeros(max_n + 1, max_k + 1, dtype=torch.float64)
-    for n in range(max_n + 1):
-        pmf = [math.comb(n, j) * p**j * (1.0 - p) ** (n - j) for j in range(n + 1)]
-        for k in range(min(n, max_k) + 1):
-            table[n, k] = math.fsum(pmf[k:])
-        table[n, 0] = 1.0
-    return table
 
 
 class CountingTask:
@@ -42,8 +48,9 @@ class CountingTask:
         self.config.validate()
         c = self.config
         self.num_ordinary = c.num_targets + c.num_fillers
-        self.first_length_token_id = self.num_ordinary
-        self.pad_token_id = self.num_ordinary + (c.max_response_len - c.min_response_len + 1)
+        self.target_tokens = TokenBlock(0, 0, c.num_targets - 1, "target token")
+        self.length_tokens = TokenBlock(self.num_ordinary, c.min_response_len, c.max_response_len, "length token")
+        self.pad_token_id = self.length_tokens.end
         self.vocab_size = self.pad_token_id + 1
         self.prompt_width = c.max_prompt_len + 2
         self.response_width = c.max_response_len
@@ -51,107 +58,50 @@ class CountingTask:
 
     def length_token_id(self, lengths: Tensor) -> Tensor:
         """The dedicated token id announcing each response length."""
-        return lengths - self.config.min_response_len + self.first_length_token_id
+        return self.length_tokens.encode(lengths)
 
     def sample(self, batch_size: int, generator: torch.Generator) -> dict[str, Tensor]:
         """A batch of `batch_size` rollouts with rewards and true values; deterministic given the generator state."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        c, dev = self.config, generator.device
-        prompt_lens = torch.randint(
-            c.min_prompt_len, c.max_prompt_len + 1, (batch_size,), generator=generator, device=dev
-        )
-        targets = torch.randint(0, c.num_targets, (batch_size,), generator=generator, device=dev)
-        lengths = torch.randint(
-            c.min_response_len, c.max_response_len + 1, (batch_size,), generator=generator, device=dev
-        )
-        prompts, prompt_mask = self._prompts(prompt_lens, targets, lengths, generator)
+        check_batch_size(batch_size)
+        c = self.config
+        prompt_lens = integers(c.min_prompt_len, c.max_prompt_len, (batch_size,), generator)
+        targets = integers(0, c.num_targets - 1, (batch_size,), generator)
+        lengths = integers(c.min_response_len, c.max_response_len, (batch_size,), generator)
+        fillers = integers(c.num_targets, self.num_ordinary - 1, (batch_size, self.prompt_width), generator)
+        header = torch.stack([targets, self.length_token_id(lengths)], dim=1)
+        prompts, prompt_mask = left_padded_prompts(fillers, prompt_lens + 2, self.pad_token_id, tail=header)
         responses = self.sample_responses(targets, lengths, generator)
-        response_mask = _prefix_mask(lengths, self.response_width)
-        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-        batch = {
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": responses,
-            "response_mask": response_mask,
-            "token_level_rewards": self._rewards(responses, targets, lengths),
-        }
+        rewards = self._rewards(responses, targets, lengths)
+        batch = rollout_batch(prompts, prompt_mask, responses, prefix_mask(lengths, self.response_width), rewards)
         batch["true_values"] = self.true_values(batch, gamma=1.0)
         return batch
 
     def sample_responses(self, targets: Tensor, lengths: Tensor, generator: torch.Generator) -> Tensor:
         """[B, R] i.i.d. response tokens (target w.p. target_prob, else another ordinary token), right-padded."""
-        c, dev = self.config, generator.device
-        shape = (targets.shape[0], self.response_width)
-        hit = torch.rand(shape, generator=generator, device=dev) < c.target_prob
-        other = torch.randint(0, self.num_ordinary - 1, shape, generator=generator, device=dev)
-        other = other + (other >= targets[:, None]).long()  # skip the target id: uniform over the rest
-        tokens = torch.where(hit, targets[:, None].expand(shape), other)
-        return tokens.masked_fill(~_prefix_mask(lengths, self.response_width).bool(), self.pad_token_id)
+        tokens = iid_tokens(targets, self.response_width, self.config.target_prob, self.num_ordinary, generator)
+        return tokens.masked_fill(~prefix_mask(lengths, self.response_width).bool(), self.pad_token_id)
+
+    def continue_responses(self, batch: Any, row: int, t: int, n: int, generator: torch.Generator) -> dict[str, Tensor]:
+        """`n` responses to `row`'s prompt keeping its tokens < t, the rest i.i.d. as in `sample_responses`."""
+        targets, lengths = repeat_row(self.read_prompt(batch), row, n)
+        check_prefix(t, int(lengths[0]))
+        responses = self.sample_responses(targets, lengths, generator)
+        responses[:, :t] = Batch.from_any(batch)["responses"][row, :t]
+        return continuation(responses, lengths, self._rewards(responses, targets, lengths))
 
     def true_values(self, batch: Any, gamma: float = 1.0) -> Tensor:
         """[B, R] float32 exact values `gamma^(L-1-t) * P(c_t + Bin(L-t, p) >= m)`, 0 at padded positions."""
-        if not 0.0 <= gamma <= 1.0:
-            raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+        check_gamma(gamma)
         targets, lengths = self.read_prompt(batch)
-        responses = Batch.from_any(batch)["responses"]
-        t = torch.arange(responses.shape[1], device=responses.device)
-        valid = t[None, :] < lengths[:, None]
-        hits = ((responses == targets[:, None]) & valid).long()
-        seen = hits.cumsum(-1) - hits  # c_t: targets among tokens 0..t-1
-        remaining = (lengths[:, None] - t[None, :]).clamp(min=0)
-        needed = (self.config.min_count - seen).clamp(min=0)
-        prob = self._tail.to(responses.device)[remaining, needed]
-        discount = torch.tensor(gamma, dtype=torch.float64, device=responses.device) ** (remaining - 1).clamp(min=0)
-        return (prob * discount * valid).float()
+        responses = split_layout(batch, "counting", self.response_width, 2)[1]
+        return count_values(responses == targets[:, None], lengths, self.config.min_count, self._tail, gamma)
 
     def read_prompt(self, batch: Any) -> tuple[Tensor, Tensor]:
         """(targets, response lengths) read from the last two prompt tokens of `input_ids` (any row order)."""
-        b = Batch.from_any(batch)
-        input_ids, width = b["input_ids"], b["responses"].shape[1]
-        prompt_end = input_ids.shape[1] - width
-        if width > self.response_width or prompt_end < 2:
-            raise ValueError(
-                f"batch does not have the counting task's layout: input_ids {list(input_ids.shape)}, "
-                f"responses {list(b['responses'].shape)} (need R <= {self.response_width} and a prompt of >= 2 tokens)"
-            )
-        targets = input_ids[:, prompt_end - 2]
-        lengths = input_ids[:, prompt_end - 1] - self.first_length_token_id + self.config.min_response_len
-        if not ((targets >= 0) & (targets < self.config.num_targets)).all():
-            raise ValueError("batch has a non-target token before the length token; was it sampled by this task?")
-        if not (
-            (lengths >= self.config.min_response_len) & (lengths <= min(width, self.config.max_response_len))
-        ).all():
-            raise ValueError("batch's last prompt token is not a valid length token; was it sampled by this task?")
-        return targets, lengths
-
-    def _prompts(
-        self, prompt_lens: Tensor, targets: Tensor, lengths: Tensor, generator: torch.Generator
-    ) -> tuple[Tensor, Tensor]:
-        """Left-padded prompts [B, P] (fillers, target, length token) and their attention mask."""
-        batch_size, width = prompt_lens.shape[0], self.prompt_width
-        fillers = torch.randint(
-            self.config.num_targets,
-            self.num_ordinary,
-            (batch_size, width),
-            generator=generator,
-            device=generator.device,
-        )
-        fillers[:, -2] = targets
-        fillers[:, -1] = self.length_token_id(lengths)
-        mask = _prefix_mask(prompt_lens + 2, width).flip(-1)
-        return fillers.masked_fill(~mask.bool(), self.pad_token_id), mask
+        return read_header(batch, "counting", self.response_width, self.target_tokens, self.length_tokens)
 
     def _rewards(self, responses: Tensor, targets: Tensor, lengths: Tensor) -> Tensor:
         """[B, R] float32: 1.0 at the last response token when the target occurs >= min_count times, else 0."""
-        valid = _prefix_mask(lengths, responses.shape[1]).bool()
+        valid = prefix_mask(lengths, responses.shape[1]).bool()
         success = ((responses == targets[:, None]) & valid).sum(-1) >= self.config.min_count
-        rewards = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
-        rewards[torch.arange(responses.shape[0], device=responses.device), lengths - 1] = success.float()
-        return rewards
-
-
-def _prefix_mask(lengths: Tensor, width: int) -> Tensor:
-    """[B, width] int64 mask with ones on the first `lengths[i]` positions of row i."""
-    return (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()
+        return terminal_rewards(success, lengths, responses.shape[1])
