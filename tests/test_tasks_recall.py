@@ -33,7 +33,7 @@ def batch(task: RecallTask) -> dict[str, torch.Tensor]:
 def test_registry_vocab_and_widths(task: RecallTask):
     assert TASKS["recall"] == (RecallTask, RecallTaskConfig)
     c = task.config
-    assert task.vocab_size == c.num_symbols + 1 + (c.max_response_len - c.min_response_len + 1) + 1
+    assert task.vocab_size == 2 * c.num_symbols + c.num_fillers + 1 + (c.max_response_len - c.min_response_len + 1) + 1
     assert (task.prompt_width, task.response_width) == (c.max_distractors + 3, c.max_response_len)
 
 
@@ -44,16 +44,15 @@ def test_key_is_far_from_the_response(task: RecallTask, batch: dict[str, torch.T
     rows = torch.arange(len(ids))
     assert (ids[rows, first] == task.marker.first_id).all()
     keys, lengths = task.read_prompt(batch)
-    assert torch.equal(keys, ids[rows, first + 1])
+    assert torch.equal(task.keys.encode(keys), ids[rows, first + 1])
     assert torch.equal(lengths, batch["response_mask"].sum(-1))
     distance = p - (first + 1)  # from the key to the first response token
-    assert distance.min() == c.min_distractors + 2 >= 100
+    assert distance.min() == c.min_distractors + 2 >= 34
     assert distance.max() == c.max_distractors + 2
     distractors = [ids[i, first[i] + 2 : p - 1] for i in range(len(ids))]
-    assert all(((d >= 0) & (d < c.num_symbols)).all() for d in distractors)
-    assert sum(bool((d == k).any()) for d, k in zip(distractors, keys, strict=True)) > 0.9 * len(ids), (
-        "the key's symbol recurs among the distractors: only its place after the marker tells it"
-    )
+    fillers = range(task.fillers.first_id, task.fillers.end)
+    assert all(((d >= fillers.start) & (d < fillers.stop)).all() for d in distractors)  # neither symbol nor key
+    assert len(torch.cat(distractors).unique()) == c.num_fillers
 
 
 def test_responses_are_uniform_by_default(task: RecallTask, batch: dict[str, torch.Tensor]):
@@ -81,7 +80,8 @@ def test_values_depend_on_the_far_key(task: RecallTask, batch: dict[str, torch.T
     other = dict(batch, input_ids=batch["input_ids"].clone())
     first = batch["attention_mask"][:, : task.prompt_width].argmax(-1)
     rows = torch.arange(len(first))
-    other["input_ids"][rows, first + 1] = (other["input_ids"][rows, first + 1] + 1) % task.config.num_symbols
+    keys, _ = task.read_prompt(batch)
+    other["input_ids"][rows, first + 1] = task.keys.encode((keys + 1) % task.config.num_symbols)
     changed = (task.true_values(other) != task.true_values(batch)).any(-1)
     assert changed.float().mean() > 0.5
 
@@ -148,6 +148,7 @@ def test_values_match_monte_carlo(config: RecallTaskConfig, gamma: float):
     ("overrides", "field"),
     [
         ({"num_symbols": 1}, "num_symbols"),
+        ({"num_fillers": 0}, "num_fillers"),
         ({"min_distractors": -1}, "min_distractors"),
         ({"min_distractors": 10, "max_distractors": 9}, "max_distractors"),
         ({"max_distractors": 9.5}, "max_distractors"),

@@ -89,7 +89,8 @@ def _walk(obj: Any, prefix: str) -> list[Option]:
 def _task_options(cfg: TrainConfig) -> list[Option]:
     """`task.name` and the options of that task, those the `task` mapping leaves out marked as not set."""
     task = cfg.task_config()
-    name = Option("task.name", cfg.task.get("name", "counting"), f"the task: {', '.join(TASK_CONFIGS)}")
+    doc = f"the task: {', '.join(TASK_CONFIGS)} (--print-config task.name=X lists the options of X)"
+    name = Option("task.name", cfg.task.get("name", "counting"), doc)
     docs = field_docs(type(task))
     return [name] + [
         Option(f"task.{f.name}", getattr(task, f.name), docs.get(f.name, ""), is_set=f.name in cfg.task)

@@ -15,13 +15,23 @@ BASE = {
 }
 
 
-def case(strategy: str, value_norm: str = "off", lora_rank: int = 0, ema_decay: float = 0.0) -> dict:
+def case(
+    strategy: str, value_norm: str = "off", lora_rank: int = 0, ema_decay: float = 0.0, head_lr_ratio: float = 1.0
+) -> dict:
     model = {**BASE["model"], "lora_rank": lora_rank}
-    return {**BASE, "strategy": strategy, "value_norm": value_norm, "ema_decay": ema_decay, "model": model}
+    optim = {**BASE["optim"], "value_head_lr_ratio": head_lr_ratio}
+    return {
+        **BASE,
+        "strategy": strategy,
+        "value_norm": value_norm,
+        "ema_decay": ema_decay,
+        "model": model,
+        "optim": optim,
+    }
 
 
 # export_hf of an FSDP1 critic crashes (SIGSEGV) on CPU/gloo, value_norm or not: not exported here
-NO_EXPORT = {"running_fsdp", "popart_fsdp"}
+NO_EXPORT = {"running_fsdp", "popart_fsdp", "head_lr_fsdp"}
 CASES = {
     "popart_none": case("none", "popart"),
     "popart_ddp": case("ddp", "popart"),
@@ -33,6 +43,8 @@ CASES = {
     "ema_ddp": case("ddp", "running", ema_decay=0.5),
     "ema_fsdp2": case("fsdp2", "running", ema_decay=0.5),
     "ema_lora_fsdp2": case("fsdp2", lora_rank=4, ema_decay=0.5),
+    "head_lr_fsdp2": case("fsdp2", "running", head_lr_ratio=10.0),  # the head's own group, found through FSDP2
+    "head_lr_fsdp": case("fsdp", head_lr_ratio=10.0),  # ... and through FSDP1 (use_orig_params)
 }
 RESUMED = {"ema_ddp", "ema_fsdp2"}  # also saved, loaded into a fresh worker and evaluated again
 

@@ -5,7 +5,7 @@
 | counting | a sparse terminal reward that depends on a count        | binomial tail                  |
 | dense    | a reward on many tokens; gamma shapes the whole value   | geometric sums of a chain      |
 | long     | 256-288 token responses, one reward at the very end     | binomial tail                  |
-| recall   | a key 100+ tokens before the response decides the value | binomial tail                  |
+| recall   | a key 34+ tokens before the response decides the value  | binomial tail                  |
 | lengths  | response lengths 8..96 set by a random EOS              | backward induction (float64)   |
 | scale    | rewards in [-30, 50] around 10: value normalisation     | linear in the running mean     |
 

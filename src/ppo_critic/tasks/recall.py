@@ -1,14 +1,14 @@
-"""Recall task: the reward counts a key that the prompt names once, more than a hundred tokens before the response.
+"""Recall task: the reward counts a key that the prompt names once, dozens of tokens before the response.
 
-Vocabulary (ids in this order): `num_symbols` symbols; a marker token; one length token per response length in
-[min_response_len, max_response_len]; one pad token (the last id).
+Vocabulary (ids in this order): `num_symbols` symbols; one key token per symbol; `num_fillers` fillers; a marker
+token; one length token per response length in [min_response_len, max_response_len]; one pad token (the last id).
 
-A prompt is [marker, key k, D random symbols (D in [min_distractors, max_distractors]), length token L]: the key
-is D + 2 >= 102 tokens before the first response token, and the distractors use the same symbols, so only its
-place after the marker tells the key. The response is exactly L i.i.d. symbols, each the key with probability p
-(`key_prob`, by default 1/num_symbols: uniform, so the response alone says nothing about the key), else uniform
-over the other symbols. The only reward is 1 on the last token when the key occurs at least m = `min_count`
-times. With c_t the keys among the tokens before t:
+A prompt is [marker, key token K_k, D random fillers (D in [min_distractors, max_distractors]), length token L]:
+by default the key is D + 2 >= 34 tokens before the first response token, three times the longest response. The
+response is exactly L i.i.d. symbols, each the key's symbol k with probability p (`key_prob`, by default
+1/num_symbols: uniform, so the response alone says nothing about the key), else uniform over the other symbols.
+The only reward is 1 on the last token when the key occurs at least m = `min_count` times. With c_t the keys among
+the tokens before t:
 
     V_t = gamma^(L-1-t) · P(c_t + Binomial(L - t, p) >= m)
 
@@ -51,7 +51,9 @@ class RecallTask:
         self.config.validate()
         c = self.config
         self.symbols = TokenBlock(0, 0, c.num_symbols - 1, "symbol")
-        self.marker = TokenBlock(self.symbols.end, 0, 0, "marker token")
+        self.keys = TokenBlock(self.symbols.end, 0, c.num_symbols - 1, "key token")
+        self.fillers = TokenBlock(self.keys.end, 0, c.num_fillers - 1, "filler")
+        self.marker = TokenBlock(self.fillers.end, 0, 0, "marker token")
         self.length_tokens = TokenBlock(self.marker.end, c.min_response_len, c.max_response_len, "length token")
         self.pad_token_id = self.length_tokens.end
         self.vocab_size = self.pad_token_id + 1
@@ -66,8 +68,8 @@ class RecallTask:
         distractors = integers(c.min_distractors, c.max_distractors, (batch_size,), generator)
         keys = integers(0, c.num_symbols - 1, (batch_size,), generator)
         lengths = integers(c.min_response_len, c.max_response_len, (batch_size,), generator)
-        fillers = integers(0, c.num_symbols - 1, (batch_size, self.prompt_width), generator)
-        head = torch.stack([torch.full_like(keys, self.marker.first_id), keys], dim=1)
+        fillers = integers(self.fillers.first_id, self.fillers.end - 1, (batch_size, self.prompt_width), generator)
+        head = torch.stack([torch.full_like(keys, self.marker.first_id), self.keys.encode(keys)], dim=1)
         tail = self.length_tokens.encode(lengths)[:, None]
         prompts, prompt_mask = left_padded_prompts(fillers, distractors + 3, self.pad_token_id, head=head, tail=tail)
         responses = self._responses(keys, lengths, generator)
@@ -96,7 +98,7 @@ class RecallTask:
         input_ids, responses, prompt_end = split_layout(batch, "recall", self.response_width, 3)
         first = Batch.from_any(batch)["attention_mask"][:, :prompt_end].argmax(-1)  # the first valid prompt token
         self.marker.decode(input_ids.gather(1, first[:, None]), "first prompt token")
-        keys = self.symbols.decode(input_ids.gather(1, (first + 1).clamp(max=prompt_end - 1)[:, None])[:, 0], "key")
+        keys = self.keys.decode(input_ids.gather(1, (first + 1).clamp(max=prompt_end - 1)[:, None])[:, 0], "key")
         lengths = self.length_tokens.decode(input_ids[:, prompt_end - 1], "last prompt token", responses.shape[1])
         return keys, lengths
 
