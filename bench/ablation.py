@@ -121,10 +121,6 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         [*RECIPE, "trainer.lam=0.5", "trainer.critic_warmup_steps=50"],
     ),
     "head_lr10": ("ema_running + value_head_lr_ratio=10", [*RECIPE, "critic.optim.value_head_lr_ratio=10"]),
-    "popart": (
-        "verl + value_norm=popart (no EMA: PopArt rescales only the live head)",
-        [*VERL, "critic.value_norm=popart"],
-    ),
 }
 
 

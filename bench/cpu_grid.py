@@ -92,10 +92,14 @@ def bounds(worker, batch) -> dict[str, float]:
 
 
 def table() -> str:
+    """Markdown, a row per finished cell. MFU counts the useful FLOPs (valid tokens, each sequence attending to
+    itself), the same for every path, so verl's MFU is ours × its speed / ours; the ceiling, 1 / verl-best's update
+    MFU, is the largest update ratio anything doing those FLOPs at the measured matmul peak could reach."""
     rows = [
         "| width | fill | batching | dtype | rollouts, per micro-batch | update: ours / verl (best of each) | values: "
-        "ours / verl | ours-best, verl-best (update) | what bounds ours / verl (share of one update) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "ours / verl | update MFU: ours / verl | ceiling | ours-best, verl-best (update) | what bounds ours / verl "
+        "(share of one update) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in cells():
         path = RESULTS / f"{cell_name(*cell)}.json"
@@ -109,14 +113,16 @@ def table() -> str:
             best[call] = ours / verl
         winners = list(s["bounds"])
         bound = " / ".join(_top(s["bounds"][p]) for p in winners)
+        ours_mfu = s["median"][winners[0]]["update_critic_mfu"]
+        verl_mfu = ours_mfu / best["update_critic"]
         length, fill, batching, dtype = cell
         c = s["config"]
         per_micro = f"{c['budget']} tokens" if batching == "dynamic" else f"{c['micro']} rows"
         size = f"{c['batch']} × ({c['prompt']} + {c['response']}), {per_micro}"
         rows.append(
             f"| {length} | {fill} (measured {s['fill']:.2f}) | {batching} | {dtype} | {size} "
-            f"| **{best['update_critic']:.2f}×** "
-            f"| {best['compute_values']:.2f}× | {', '.join(winners)} | {bound} |"
+            f"| **{best['update_critic']:.2f}×** | {best['compute_values']:.2f}× | {ours_mfu:.2f} / {verl_mfu:.2f} "
+            f"| {1 / verl_mfu:.1f}× | {', '.join(winners)} | {bound} |"
         )
     return "\n".join(rows)
 

@@ -250,3 +250,33 @@ def test_the_critics_targets_use_the_trainers_lambda(step, settings, lam):
         assert len(set(expected_lam.tolist())) > 1
         _, single = compute_gae_advantage_return(batch["token_level_rewards"], values, mask, 0.9, 0.5)
         assert not torch.equal(expected, single)
+
+
+def test_the_default_model_covers_the_longest_rollout():
+    from ppo_critic.train_config import DEFAULT_MODEL, resolve_model
+
+    cfg = load_config(None, [])
+    shape = resolve_model(cfg, 40, 300).critic.model.override_config
+    assert (shape["vocab_size"], shape["max_position_embeddings"]) == (40, 300)
+    short = resolve_model(cfg, 40, 20).critic.model.override_config
+    assert short["max_position_embeddings"] == DEFAULT_MODEL["max_position_embeddings"] == 64
+    given = load_config(None, ["critic.model.override_config.max_position_embeddings=128"])
+    assert resolve_model(given, 40, 300).critic.model.override_config["max_position_embeddings"] == 128  # yours wins
+    source = train_mod.TaskSource(load_config(None, ["task.name=long", "trainer.eval_size=1"]))
+    assert source.max_length == source.task.prompt_width + source.task.response_width > 256
+
+
+@pytest.mark.parametrize("name", ["counting", "dense", "long", "recall", "lengths", "scale"])
+def test_every_task_trains_and_is_judged_against_its_truth(tmp_path, name):
+    """`ppo-critic train task.name=X` for every built-in task: the held-out truth is the task's at trainer.gamma, and a
+    critic that predicted it would score EV 1 (tests/test_train.py's evaluate test); here two tiny steps run."""
+    from ppo_critic.tasks import TASKS
+
+    cfg = short_config(tmp_path / "run", f"task.name={name}", "trainer.steps=2", "trainer.gamma=0.9")
+    cfg.trainer.export_hf = False
+    metrics = train(cfg, out=io.StringIO())
+    assert {"eval/ev_true", "eval/mae_true"} <= set(metrics) and metrics["critic/vf_loss"] > 0
+    source = train_mod.TaskSource(cfg)
+    task = TASKS[name][0](cfg.task_config())
+    assert torch.equal(source.eval_batch["true_values"], task.true_values(source.eval_batch, 0.9))
+    assert source.eval_name == f"16 held-out rollouts of the {name} task (another seed)"

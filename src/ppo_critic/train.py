@@ -43,6 +43,7 @@ class TaskSource:
         self.eval_batch["true_values"] = self.task.true_values(self.eval_batch, cfg.trainer.gamma)
         self.eval_name = f"{cfg.trainer.eval_size} held-out rollouts of the {name} task (another seed)"
         self.vocab_size = self.task.vocab_size
+        self.max_length = self.task.prompt_width + self.task.response_width
 
     def next_batch(self) -> dict[str, Tensor]:
         return self.task.sample(self.batch_size, self.generator)
@@ -81,6 +82,7 @@ class FileSource:
         self.batch_size = t.rollout_batch_size
         self.position = 0
         self.vocab_size = 1 + max(max(r.prompt_ids + r.response_ids) for r in self.rows + eval_rows)
+        self.max_length = max(len(r.prompt_ids) + len(r.response_ids) for r in self.rows + eval_rows)
 
     def next_batch(self) -> dict[str, Tensor]:
         rows = [self.rows[(self.position + i) % len(self.rows)] for i in range(self.batch_size)]
@@ -169,7 +171,7 @@ def train(
     t = cfg.trainer
     run_dir = Path(t.run_dir)
     source = FileSource(cfg) if cfg.data else TaskSource(cfg)
-    cfg = resolve_model(cfg, source.vocab_size)
+    cfg = resolve_model(cfg, source.vocab_size, source.max_length)
     worker = make_worker(cfg)
     lead = worker.rank == 0
     out = out or sys.stdout

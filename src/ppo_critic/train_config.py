@@ -173,13 +173,18 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def resolve_model(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
+def resolve_model(cfg: TrainConfig, vocab_size: int, max_length: int = 0) -> TrainConfig:
     """Without `critic.model.path`, the model is the built-in tiny `DEFAULT_MODEL` updated by `override_config`,
-    with the rollouts' vocabulary size unless one is given. The result is what the run saves and reloads."""
+    with the rollouts' vocabulary size and (when longer than its default) their longest row as its maximum position,
+    unless given. The result is what the run saves and reloads."""
     cfg = copy.deepcopy(cfg)
     model = cfg.critic.model
     if model.path is None:
-        model.override_config = {**DEFAULT_MODEL, "vocab_size": vocab_size, **model.override_config}
+        positions = max(DEFAULT_MODEL["max_position_embeddings"], max_length)
+        given = model.override_config
+        model.override_config = {
+            **DEFAULT_MODEL, "vocab_size": vocab_size, "max_position_embeddings": positions, **given
+        }  # fmt: skip
         if model.override_config["vocab_size"] < vocab_size:
             raise ValueError(
                 f"critic.model.override_config.vocab_size={model.override_config['vocab_size']} is smaller than "
