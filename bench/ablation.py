@@ -25,11 +25,14 @@ import platform
 import re
 import statistics
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
+from ppo_critic import train as train_module
 from ppo_critic.cli import load_config
 from ppo_critic.files import write_file
 from ppo_critic.train import train
@@ -121,7 +124,24 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         [*RECIPE, "trainer.lam=0.5", "trainer.critic_warmup_steps=50"],
     ),
     "head_lr10": ("ema_running + value_head_lr_ratio=10", [*RECIPE, "critic.optim.value_head_lr_ratio=10"]),
+    **{
+        f"truth_lr{lr}": (
+            f"a ceiling: verl's critic at lr {lr} regressed on the true values",
+            [*VERL, f"critic.optim.lr={lr}"],
+        )
+        for lr in BASELINE_LRS
+    },
 }
+TRUTH = {name for name in CONFIGS if name.startswith("truth_")}  # targets: the task's exact values, not returns
+
+
+def _truth_iteration(worker, source, trainer) -> dict[str, float]:
+    """`ppo_critic.train._iteration` with the exact values as the regression targets (no return noise, no bootstrap
+    bias): how fast the model and the rate allow a critic to learn the task at all."""
+    batch = source.next_batch()
+    batch["values"] = worker.compute_values(batch)
+    batch["returns"] = source.task.true_values(batch, trainer.gamma)
+    return worker.update_critic(batch)
 
 
 def run_one(name: str, overrides: list[str], seed: int, steps: int, eval_every: int) -> dict:
@@ -149,7 +169,9 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, eval_every: 
                 "trainer.export_hf=false",
             ],
         )
-        train(cfg, out=io.StringIO(), on_step=on_step)
+        targets = mock.patch.object(train_module, "_iteration", _truth_iteration) if name in TRUTH else nullcontext()
+        with targets:
+            train(cfg, out=io.StringIO(), on_step=on_step)
     return {
         "config": name,
         "seed": seed,
@@ -199,6 +221,7 @@ def task_table(task: str, runs: dict[str, list[dict]], timing: dict[str, float])
     best = verl_best(runs)
     for name, rows in runs.items():
         label = f"**{name}** (verl-best)" if name == best else f"**{name}**" if CONFIGS[name][1] == DEFAULT else name
+        label += " (ceiling)" if name in TRUTH else ""
         line = f"| {label} | {len(rows)} |"
         for target in TARGETS:
             reach = median_reach(rows, target)

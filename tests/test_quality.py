@@ -265,3 +265,19 @@ def test_the_ablation_baselines_are_verls_critic_whatever_ppo_critic_train_defau
     for name, task in ablation.SUITE.items():
         cfg = load_config(None, ablation.overrides_of("previous", name))
         assert cfg.task["name"] == name and task.steps % task.eval_every == 0
+
+
+def test_the_ablations_ceiling_regresses_on_the_true_values():
+    from ppo_critic.tasks import DenseTask
+    from ppo_critic.train_config import TrainerConfig
+
+    ablation = _ablation()
+    task, seen = DenseTask(), {}
+    batch = task.sample(4, torch.Generator().manual_seed(0))
+    source = type("Source", (), {"task": task, "next_batch": lambda self: dict(batch)})()
+    worker = type("Worker", (), {"compute_values": lambda self, b: torch.zeros_like(b["token_level_rewards"]),
+                                 "update_critic": lambda self, b: seen.update(b) or {}})()  # fmt: skip
+    ablation._truth_iteration(worker, source, TrainerConfig(gamma=0.9))
+    assert torch.equal(seen["returns"], task.true_values(batch, 0.9))
+    assert not torch.equal(seen["returns"], batch["true_values"])  # those are at gamma 1
+    assert {f"truth_lr{lr}" for lr in ablation.BASELINE_LRS} == ablation.TRUTH
