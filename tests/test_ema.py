@@ -138,6 +138,36 @@ def test_the_average_survives_checkpoint_resume_and_the_export_gives_its_values(
     torch.testing.assert_close(got, worker.compute_values(batch), rtol=1e-5, atol=1e-4)
 
 
+def test_warmup_ramps_the_decay_up_and_resumes_where_it_was(tmp_path):
+    layer = nn.Linear(2, 1, bias=False)
+    ema = ParameterEMA(layer, 0.9, warmup=True)
+    decays = []
+    for _ in range(82):
+        decays.append(ema.current_decay())
+        ema.update()
+    # (1 + k) / (10 + k): 0.1 at the first update, 0.55 at the 11th, ema_decay (0.9) from k = 80 on
+    assert decays[:2] == [0.1, 2 / 11] and decays[10] == 0.55 and decays[79] < 0.9 and decays[80:] == [0.9, 0.9]
+    start = layer.weight.detach().clone()
+    fresh = ParameterEMA(layer, 0.9, warmup=True)
+    with torch.no_grad():
+        layer.weight.add_(10.0)
+    fresh.update()  # the first update moves 90 % of the way (without warmup: 10 %)
+    torch.testing.assert_close(fresh.average[0], start + 9.0)  # a few float32 roundings of numbers <= 20: ~1e-6
+    assert set(fresh.state_dict()) == {"ema/weight", "ema/_updates"} and int(fresh.updates) == 1
+    assert set(ParameterEMA(layer, 0.9).state_dict()) == {"ema/weight"}  # without warmup: no counter
+
+    cfg = config(ema_warmup=True)
+    worker = CriticWorker(cfg, device="cpu")
+    worker.update_critic(make_batch(8, 6, 5, seed=0))  # two optimizer steps
+    path = worker.save_checkpoint(tmp_path / "ckpt")
+    resumed = CriticWorker(cfg, device="cpu", seed=1)
+    resumed.load_checkpoint(path)
+    assert int(resumed.critic.ema.updates) == 2 and resumed.critic.ema.current_decay() == 3 / 12
+    batch = make_batch(8, 6, 5, seed=5)
+    worker.update_critic(batch), resumed.update_critic(batch)
+    assert torch.equal(resumed.compute_values(batch), worker.compute_values(batch))
+
+
 def test_a_lora_critic_averages_only_what_it_trains():
     pytest.importorskip("peft")
     worker = CriticWorker(config(model={**WORKER["model"], "lora_rank": 4}), device="cpu")
@@ -157,6 +187,8 @@ def test_a_lora_critic_averages_only_what_it_trains():
         ({"ema_decay": True}, r"ema_decay=True must be a number"),
         ({"ema_decay": 0.9, "strategy": "fsdp"}, r"ema_decay > 0 is not supported with strategy=fsdp"),
         ({"ema_decay": 0.9, "value_norm": "popart"}, r"ema_decay > 0 with value_norm=popart is not supported"),
+        ({"ema_warmup": True}, r"ema_warmup=true needs ema_decay > 0"),
+        ({"ema_decay": 0.9, "ema_warmup": "yes"}, r"ema_warmup='yes' must be true or false"),
     ],
 )
 def test_bad_ema_settings_name_the_key_and_the_fix(changes, message):

@@ -215,6 +215,9 @@ class CriticConfig:
     the head is rescaled when the statistics move). A bare off in YAML reads as false, the same"""
     ema_decay: float = 0.0
     """> 0: compute_values (and the HF export) use a moving average of the weights with this decay; 0: off"""
+    ema_warmup: bool = False
+    """ramp the average's decay up, min(ema_decay, (1 + k) / (10 + k)) at its k-th update, so that early on it follows
+    the fast-moving weights instead of lagging ~1 / (1 − ema_decay) steps behind (timm's EMA warmup)"""
     grad_clip: float | None = 1.0
     """clip the gradients' global norm to this; null: no clipping (verl)"""
     ulysses_sequence_parallel_size: int = 1
@@ -373,8 +376,10 @@ class CriticConfig:
         decay = self.ema_decay
         if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 <= decay < 1:
             return [f"ema_decay={decay!r} must be a number in [0, 1) (0: off; e.g. 0.9)"]
+        if not isinstance(self.ema_warmup, bool):
+            return [f"ema_warmup={self.ema_warmup!r} must be true or false"]
         if not decay:
-            return []
+            return ["ema_warmup=true needs ema_decay > 0 (the decay it ramps up to)"] if self.ema_warmup else []
         if self.strategy == "fsdp":
             return ["ema_decay > 0 is not supported with strategy=fsdp (FSDP1); use fsdp2, ddp or none, or set 0"]
         if self.value_norm == "popart":

@@ -24,21 +24,29 @@ def _local(t: Tensor) -> Tensor:
 class ParameterEMA:
     """The moving average of `module`'s trainable parameters (named as in `module.named_parameters()`)."""
 
-    def __init__(self, module: nn.Module, decay: float):
+    def __init__(self, module: nn.Module, decay: float, warmup: bool = False):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"critic.ema_decay={decay!r} must be in (0, 1) (0 turns the average off)")
-        self.decay = decay
+        self.decay, self.warmup = decay, warmup
+        self.updates = torch.zeros((), dtype=torch.int64)  # updates so far (checkpointed under warmup)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         with torch.no_grad():
             self.average = [p.detach().clone() for p in self.params]  # DTensors stay DTensors (for checkpoints)
 
+    def current_decay(self) -> float:
+        """The decay of the next update: `decay`, or under warmup min(decay, (1 + k) / (10 + k)) after k updates."""
+        k = int(self.updates)
+        return min(self.decay, (1 + k) / (10 + k)) if self.warmup else self.decay
+
     @torch.no_grad()
     def update(self) -> None:
         """One step of the average toward the live parameters."""
+        weight = 1.0 - self.current_decay()
         for avg, p in zip(self.average, self.params, strict=True):
-            _local(avg).lerp_(_local(p.detach()), 1.0 - self.decay)
+            _local(avg).lerp_(_local(p.detach()), weight)
+        self.updates += 1
 
     @torch.no_grad()
     def swap(self) -> None:
@@ -59,5 +67,7 @@ class ParameterEMA:
             self.swap()
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The average by parameter name, for checkpoints (the tensors themselves: a load fills them in place)."""
-        return {f"ema/{n}": avg for n, avg in zip(self.names, self.average, strict=True)}
+        """The average by parameter name, for checkpoints (the tensors themselves: a load fills them in place), and
+        under warmup the count of updates that sets its decay."""
+        counter = {"ema/_updates": self.updates} if self.warmup else {}
+        return {**{f"ema/{n}": avg for n, avg in zip(self.names, self.average, strict=True)}, **counter}

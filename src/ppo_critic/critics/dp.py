@@ -53,7 +53,7 @@ class DataParallelPPOCritic(PPOCriticBase):
 
             if isinstance(critic_module, FullyShardedDataParallel):  # flat shards DCP cannot tell apart
                 raise ValueError("critic.ema_decay > 0 is not supported with FSDP1; use FSDP2 (fully_shard) or DDP")
-            self.ema = ParameterEMA(critic_module, self.config.ema_decay)
+            self.ema = ParameterEMA(critic_module, self.config.ema_decay, self.config.ema_warmup)
         if self.value_norm.mode == "popart" and getattr(*find_value_head(critic_module)).bias is None:
             raise ValueError("value_norm=popart needs a value head with a bias (the mean shift goes there)")
         inner = getattr(critic_module, "module", critic_module)  # DDP / FSDP1

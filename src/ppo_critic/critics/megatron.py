@@ -87,7 +87,7 @@ class MegatronPPOCritic(PPOCriticBase):
         # averaged per rank over its TP/PP slice: the model parameters, not the optimizer's main copies (which
         # rewrite the model parameters at its next step anyway, so swapping the average in and out is safe)
         decay = self.config.ema_decay
-        self.ema = ParameterEMA(nn.ModuleList(chunks), decay) if decay else None
+        self.ema = ParameterEMA(nn.ModuleList(chunks), decay, self.config.ema_warmup) if decay else None
 
     def make_minibatch_iterator(self, data: Any) -> list[Any]:
         """verl's megatron worker asks for this and hands it to `update_critic(dataloader=...)`: the whole batch, which
