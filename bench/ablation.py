@@ -124,6 +124,24 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         [*RECIPE, "trainer.lam=0.5", "trainer.critic_warmup_steps=50"],
     ),
     "head_lr10": ("ema_running + value_head_lr_ratio=10", [*RECIPE, "critic.optim.value_head_lr_ratio=10"]),
+    "ema_running_lr3e-4": ("ema_running at lr 3e-4", [*RECIPE, "critic.optim.lr=3e-4"]),
+    "lam05_running_lr3e-4": ("lam05_running at lr 3e-4", [*RECIPE, "trainer.lam=0.5", "critic.optim.lr=3e-4"]),
+    "adaptive_running_lr3e-4": (
+        "adaptive_running at lr 3e-4",
+        [*RECIPE, "trainer.length_adaptive_alpha=0.2", "critic.optim.lr=3e-4"],
+    ),
+    "adaptive_ema_lr3e-4": (
+        "adaptive_running_lr3e-4 without value_norm",
+        [*VERL, "critic.ema_decay=0.9", "trainer.length_adaptive_alpha=0.2", "critic.optim.lr=3e-4"],
+    ),
+    "adaptive_norm_lr3e-4": (
+        "adaptive_running_lr3e-4 without EMA",
+        [*VERL, "critic.value_norm=running", "trainer.length_adaptive_alpha=0.2", "critic.optim.lr=3e-4"],
+    ),
+    "head_lr10_lr3e-4": (
+        "ema_running at lr 3e-4, the head at 10× (3e-3)",
+        [*RECIPE, "critic.optim.lr=3e-4", "critic.optim.value_head_lr_ratio=10"],
+    ),
     **{
         f"truth_lr{lr}": (
             f"a ceiling: verl's critic at lr {lr} regressed on the true values",
