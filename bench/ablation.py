@@ -105,7 +105,6 @@ VERL = [
 ]
 BASELINE_LRS = ("3e-4", "1e-3", "3e-3")  # verl's 1e-5 is for a pretrained LLM; this model starts random
 PREVIOUS = [*VERL, "trainer.lam=0.5", "critic.ema_decay=0.9"]  # the defaults of `ppo-critic train` before the suite
-DEFAULT = PREVIOUS  # the defaults of `ppo-critic train` (tests/test_quality.py holds them equal)
 
 RECIPE = [*VERL, "critic.ema_decay=0.9", "critic.value_norm=running"]  # λ 1 + weight averaging + running statistics
 CONFIGS: dict[str, tuple[str, list[str]]] = {
@@ -150,6 +149,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         for lr in BASELINE_LRS
     },
 }
+DEFAULT = CONFIGS["adaptive_running_lr3e-4"][1]  # the defaults of `ppo-critic train` (tests/test_quality.py)
 TRUTH = {name for name in CONFIGS if name.startswith("truth_")}  # targets: the task's exact values, not returns
 
 

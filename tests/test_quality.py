@@ -223,7 +223,8 @@ def test_the_ablation_script_runs_configurations_and_tabulates_them():
     ablation = _ablation()
     tiny = ["trainer.rollout_batch_size=8", "trainer.eval_size=16", "critic.ppo_mini_batch_size=4"]
     tiny += ["critic.ppo_micro_batch_size_per_gpu=4", "critic.model.override_config.hidden_size=32"]
-    names = ("verl_lr1e-3", "verl_lr3e-3", "previous")
+    default = "adaptive_running_lr3e-4"  # the configuration of ppo-critic train's defaults
+    names = ("verl_lr1e-3", "verl_lr3e-3", default)
     runs = {
         name: [ablation.run_one(name, [*ablation.overrides_of(name, "dense"), *tiny], seed=0, steps=4, eval_every=2)]
         for name in names
@@ -232,16 +233,22 @@ def test_the_ablation_script_runs_configurations_and_tabulates_them():
     assert all(r[0]["best_ev"] == max(ev for _, ev, _ in r[0]["curve"]) for r in runs.values())
     # a made-up outcome: verl at 3e-3 reaches 0.95 at 4, the default at 2 -> 0.5, the bar met
     runs["verl_lr3e-3"][0]["curve"] = [(2, 0.5, 1.0), (4, 0.96, 2.0)]
-    runs["previous"][0]["curve"] = [(2, 0.97, 1.0), (4, 0.99, 2.0)]
-    runs["previous"][0]["best_ev"], runs["verl_lr3e-3"][0]["best_ev"] = 0.99, 0.96
+    runs[default][0]["curve"] = [(2, 0.97, 1.0), (4, 0.99, 2.0)]
+    runs[default][0]["best_ev"], runs["verl_lr3e-3"][0]["best_ev"] = 0.99, 0.96
     assert ablation.verl_best(runs) == "verl_lr3e-3"
-    rows = ablation.task_table("dense", runs, {"previous": 0.5}).splitlines()[2:]
-    assert [row.split(" | ")[0] for row in rows] == ["| verl_lr1e-3", "| **verl_lr3e-3** (verl-best)", "| **previous**"]
-    assert rows[2].startswith("| **previous** | 1 | 2 (2) | 2 (2) | 0.990 (0.990) |") and rows[2].endswith("| 0.500 |")
-    timing = {"dense": {"previous": 0.5, "verl_lr3e-3": 0.6}}
+    rows = ablation.task_table("dense", runs, {default: 0.5}).splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| verl_lr1e-3",
+        "| **verl_lr3e-3** (verl-best)",
+        f"| **{default}**",
+    ]
+    assert rows[2].startswith(f"| **{default}** | 1 | 2 (2) | 2 (2) | 0.990 (0.990) |") and rows[2].endswith(
+        "| 0.500 |"
+    )
+    timing = {"dense": {default: 0.5, "verl_lr3e-3": 0.6}}
     (row,) = ablation.summary_table({"dense": runs}, timing).splitlines()[2:]
     assert row.startswith("| dense |") and "| verl_lr3e-3 | 4 | 2 | 0.50 | 0.960 / 0.990 | 0.600 / 0.500 | yes |" in row
-    timing["dense"]["previous"] = 0.7  # slower per iteration: the bar is not met
+    timing["dense"][default] = 0.7  # slower per iteration: the bar is not met
     assert ablation.summary_table({"dense": runs}, timing).endswith("| **no** |")
 
 

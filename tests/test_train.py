@@ -227,7 +227,7 @@ class _Recorder:
     ("step", "settings", "lam"),
     [
         (0, {"lam": 0.5, "critic_warmup_steps": 2}, "mc"),  # warmup: Monte-Carlo returns
-        (2, {"lam": 0.5, "critic_warmup_steps": 2}, "lam"),
+        (2, {"lam": 0.5, "length_adaptive_alpha": None, "critic_warmup_steps": 2}, "lam"),
         (0, {"lam": 0.5, "length_adaptive_alpha": 0.25}, "adaptive"),
         (0, {"lam": 0.5, "length_adaptive_alpha": 0.25, "critic_warmup_steps": 1}, "mc"),
     ],
