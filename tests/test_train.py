@@ -226,10 +226,10 @@ class _Recorder:
 @pytest.mark.parametrize(
     ("step", "settings", "lam"),
     [
-        (0, {"lam": 0.5, "critic_warmup_steps": 2}, "mc"),  # warmup: Monte-Carlo returns
+        (0, {"lam": 0.5, "length_adaptive_alpha": None, "critic_warmup_steps": 2}, "mc"),  # warmup: MC returns
         (2, {"lam": 0.5, "length_adaptive_alpha": None, "critic_warmup_steps": 2}, "lam"),
-        (0, {"lam": 0.5, "length_adaptive_alpha": 0.25}, "adaptive"),
-        (0, {"lam": 0.5, "length_adaptive_alpha": 0.25, "critic_warmup_steps": 1}, "mc"),
+        (0, {"length_adaptive_alpha": 0.25}, "adaptive"),
+        (0, {"length_adaptive_alpha": 0.25, "critic_warmup_steps": 1}, "mc"),
     ],
 )
 def test_the_critics_targets_use_the_trainers_lambda(step, settings, lam):
@@ -248,7 +248,7 @@ def test_the_critics_targets_use_the_trainers_lambda(step, settings, lam):
     assert torch.equal(worker.seen["returns"], expected)
     if lam == "adaptive":  # lengths 4..12 at alpha 0.25: lambdas 0 .. 2/3, not one lam for all
         assert len(set(expected_lam.tolist())) > 1
-        _, single = compute_gae_advantage_return(batch["token_level_rewards"], values, mask, 0.9, 0.5)
+        _, single = compute_gae_advantage_return(batch["token_level_rewards"], values, mask, 0.9, trainer.lam)
         assert not torch.equal(expected, single)
 
 

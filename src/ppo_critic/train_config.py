@@ -144,6 +144,11 @@ class TrainConfig:
         alpha = t.length_adaptive_alpha
         if alpha is not None and not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha > 0):
             raise ValueError(f"trainer.length_adaptive_alpha={alpha!r} must be a number > 0, or null (trainer.lam)")
+        if alpha is not None and t.lam != 1.0:  # lam would be silently unused: each response's λ comes from alpha
+            raise ValueError(
+                f"trainer.lam={t.lam} has no effect while trainer.length_adaptive_alpha={alpha} sets each response's λ;"
+                " set trainer.length_adaptive_alpha=null to use trainer.lam for every response"
+            )
         mini = self.critic.ppo_mini_batch_size * self.critic.rollout_n
         if t.rollout_batch_size % mini:
             raise ValueError(
