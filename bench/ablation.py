@@ -129,6 +129,13 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         "adaptive_running at lr 3e-4",
         [*RECIPE, "trainer.length_adaptive_alpha=0.2", "critic.optim.lr=3e-4"],
     ),
+    **{
+        f"alpha{a}_running_lr3e-4": (
+            f"adaptive_running_lr3e-4 with α = {a} (λ closer to 1 on short responses)",
+            [*RECIPE, f"trainer.length_adaptive_alpha={a}", "critic.optim.lr=3e-4"],
+        )
+        for a in ("0.5", "1")
+    },
     "adaptive_ema_lr3e-4": (
         "adaptive_running_lr3e-4 without value_norm",
         [*VERL, "critic.ema_decay=0.9", "trainer.length_adaptive_alpha=0.2", "critic.optim.lr=3e-4"],
