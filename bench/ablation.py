@@ -156,7 +156,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         for lr in BASELINE_LRS
     },
 }
-DEFAULT = CONFIGS["adaptive_running_lr3e-4"][1]  # the defaults of `ppo-critic train` (tests/test_quality.py)
+DEFAULT = CONFIGS["alpha0.5_running_lr3e-4"][1]  # the defaults of `ppo-critic train` (tests/test_quality.py)
 TRUTH = {name for name in CONFIGS if name.startswith("truth_")}  # targets: the task's exact values, not returns
 
 

@@ -40,7 +40,7 @@ def test_train_help_lists_every_option_with_its_default(capsys):
         "critic.optim.lr=0.0003",
         "critic.ema_decay=0.9",
         "critic.value_norm=running",
-        "trainer.length_adaptive_alpha=0.2",
+        "trainer.length_adaptive_alpha=0.5",
     ):
         assert line in text
     assert "trainer.resume=auto" in text

@@ -223,7 +223,7 @@ def test_the_ablation_script_runs_configurations_and_tabulates_them():
     ablation = _ablation()
     tiny = ["trainer.rollout_batch_size=8", "trainer.eval_size=16", "critic.ppo_mini_batch_size=4"]
     tiny += ["critic.ppo_micro_batch_size_per_gpu=4", "critic.model.override_config.hidden_size=32"]
-    default = "adaptive_running_lr3e-4"  # the configuration of ppo-critic train's defaults
+    default = "alpha0.5_running_lr3e-4"  # the configuration of ppo-critic train's defaults
     names = ("verl_lr1e-3", "verl_lr3e-3", default)
     runs = {
         name: [ablation.run_one(name, [*ablation.overrides_of(name, "dense"), *tiny], seed=0, steps=4, eval_every=2)]

@@ -49,9 +49,10 @@ class TrainerConfig:
     lam: float = 1.0
     """the λ of the critic's GAE targets when length_adaptive_alpha is null (1: Monte-Carlo returns, verl's default;
     lower: more bootstrapping from the critic's values)"""
-    length_adaptive_alpha: float | None = 0.2
+    length_adaptive_alpha: float | None = 0.5
     """VAPO's length-adaptive λ for the critic's targets: each response's λ = 1 − 1/(α·l), l its tokens, clamped to
-    [0, 1], in place of lam (0.2: λ 0.58 at 12 tokens, 0.95 at 96, 0.98 at 256); null: lam for every response"""
+    [0, 1], in place of lam (0.5: λ 0.75 at 8 tokens, 0.83 at 12, 0.98 at 96, 0.99 at 256); null: lam for every
+    response"""
     critic_warmup_steps: int = 0
     """the first N steps use Monte-Carlo returns (λ = 1), not bootstrapped from an untrained critic (not verl's
     trainer.critic_warmup, which freezes an actor)"""
