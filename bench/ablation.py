@@ -156,7 +156,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         for lr in BASELINE_LRS
     },
 }
-DEFAULT = CONFIGS["alpha0.5_running_lr3e-4"][1]  # the defaults of `ppo-critic train` (tests/test_quality.py)
+DEFAULT = "alpha0.5_running_lr3e-4"  # the configuration of `ppo-critic train`'s defaults (tests/test_quality.py)
 TRUTH = {name for name in CONFIGS if name.startswith("truth_")}  # targets: the task's exact values, not returns
 
 
@@ -245,7 +245,7 @@ def task_table(task: str, runs: dict[str, list[dict]], timing: dict[str, float])
     ]
     best = verl_best(runs)
     for name, rows in runs.items():
-        label = f"**{name}** (verl-best)" if name == best else f"**{name}**" if CONFIGS[name][1] == DEFAULT else name
+        label = f"**{name}** (verl-best)" if name == best else f"**{name}**" if name == DEFAULT else name
         label += " (ceiling)" if name in TRUTH else ""
         line = f"| {label} | {len(rows)} |"
         for target in TARGETS:
@@ -263,21 +263,20 @@ def task_table(task: str, runs: dict[str, list[dict]], timing: dict[str, float])
 def summary_table(results: dict[str, dict[str, list[dict]]], timing: dict[str, dict[str, float]]) -> str:
     """Markdown: per task, the default recipe against verl-best, and whether it meets the bar (≤ half the
     iterations to EV 0.95, or reaching it where verl-best never does; best EV ≥ verl-best's; s/iteration ≤)."""
-    default = next(n for n, (_, o) in CONFIGS.items() if o == DEFAULT)
     lines = [
-        f"| task | stresses | verl-best | its iterations to 0.95 | {default}: iterations to 0.95 | ratio | best EV: "
-        f"verl-best / {default} | s / iteration: verl-best / {default} | bar met |",
+        f"| task | stresses | verl-best | its iterations to 0.95 | {DEFAULT}: iterations to 0.95 | ratio | best EV: "
+        f"verl-best / {DEFAULT} | s / iteration: verl-best / {DEFAULT} | bar met |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for task, runs in results.items():
-        if default not in runs or not any(n.startswith("verl_lr") for n in runs):
+        if DEFAULT not in runs or not any(n.startswith("verl_lr") for n in runs):
             continue
         best = verl_best(runs)
-        ours, theirs = median_reach(runs[default], TARGETS[-1]), median_reach(runs[best], TARGETS[-1])
-        ev_ours = statistics.median(r["best_ev"] for r in runs[default])
+        ours, theirs = median_reach(runs[DEFAULT], TARGETS[-1]), median_reach(runs[best], TARGETS[-1])
+        ev_ours = statistics.median(r["best_ev"] for r in runs[DEFAULT])
         ev_theirs = statistics.median(r["best_ev"] for r in runs[best])
         times = timing.get(task, {})
-        t_ours, t_theirs = times.get(default), times.get(best)
+        t_ours, t_theirs = times.get(DEFAULT), times.get(best)
         faster = ours is not None and (theirs is None or ours <= theirs / 2)
         met = faster and ev_ours >= ev_theirs and (t_ours is None or t_theirs is None or t_ours <= t_theirs)
         ratio = "—" if ours is None else "never vs reached" if theirs is None else f"{ours / theirs:.2f}"

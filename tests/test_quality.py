@@ -223,7 +223,7 @@ def test_the_ablation_script_runs_configurations_and_tabulates_them():
     ablation = _ablation()
     tiny = ["trainer.rollout_batch_size=8", "trainer.eval_size=16", "critic.ppo_mini_batch_size=4"]
     tiny += ["critic.ppo_micro_batch_size_per_gpu=4", "critic.model.override_config.hidden_size=32"]
-    default = "alpha0.5_running_lr3e-4"  # the configuration of ppo-critic train's defaults
+    default = ablation.DEFAULT  # the configuration of ppo-critic train's defaults
     names = ("verl_lr1e-3", "verl_lr3e-3", default)
     runs = {
         name: [ablation.run_one(name, [*ablation.overrides_of(name, "dense"), *tiny], seed=0, steps=4, eval_every=2)]
@@ -266,7 +266,7 @@ def test_the_ablation_baselines_are_verls_critic_whatever_ppo_critic_train_defau
         assert cfg.critic == CriticConfig(**batches, optim=OptimConfig(lr=float(lr))), lr
         t = cfg.trainer
         assert (t.lam, t.length_adaptive_alpha, t.critic_warmup_steps, t.rollout_batch_size) == (1.0, None, 0, 192)
-    default, train = load_config(None, ablation.DEFAULT), load_config(None, [])
+    default, train = load_config(None, ablation.CONFIGS[ablation.DEFAULT][1]), load_config(None, [])
     assert default.critic == train.critic and default.trainer == train.trainer
     assert sorted(ablation.SUITE) == sorted(TASK_CONFIGS)
     for name, task in ablation.SUITE.items():
