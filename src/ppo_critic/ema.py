@@ -43,19 +43,21 @@ class ParameterEMA:
     @torch.no_grad()
     def update(self) -> None:
         """One step of the average toward the live parameters."""
-        weight = 1.0 - self.current_decay()
-        for avg, p in zip(self.average, self.params, strict=True):
-            _local(avg).lerp_(_local(p.detach()), weight)
+        average, live = self._locals()
+        torch._foreach_lerp_(average, live, 1.0 - self.current_decay())
         self.updates += 1
 
     @torch.no_grad()
     def swap(self) -> None:
         """Exchange the live parameters and the average in place (twice restores both, bit for bit)."""
-        for avg, p in zip(self.average, self.params, strict=True):
-            a, live = _local(avg), _local(p.detach())
-            held = live.clone()
-            live.copy_(a)
-            a.copy_(held)
+        average, live = self._locals()
+        held = [t.clone() for t in live]
+        torch._foreach_copy_(live, average)
+        torch._foreach_copy_(average, held)
+
+    def _locals(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The average's and the live parameters' local tensors, for multi-tensor (one kernel per group) updates."""
+        return [_local(a) for a in self.average], [_local(p.detach()) for p in self.params]
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
