@@ -21,6 +21,7 @@ from ppo_critic.algos import (
     compute_value_loss,
     doubled_error_loss,
     explained_variance,
+    length_adaptive_lambda,
     masked_mean,
     masked_var,
     masked_whiten,
@@ -429,6 +430,20 @@ def test_length_adaptive_gae_default_alpha_and_its_check():
     assert torch.equal(returns, expected[1])
     with pytest.raises(ValueError, match="alpha must be > 0"):
         compute_length_adaptive_gae_advantage_return(rewards, values, mask, 0.9, alpha=0.0)
+
+
+def test_length_adaptive_lambda_counts_discounted_tokens_under_gamma():
+    # lengths 4, 2, 0 at alpha 0.5: gamma 1 gives 1 - 1/2 = 0.5, 1 - 1/1 = 0, (empty) 0;
+    # gamma 0.5: l_gamma = (1 - 0.5^l)/0.5 = 1.875 and 1.5 -> 1 - 1/0.9375 = -0.0667 -> 0 and 1 - 1/0.75 -> 0;
+    # alpha 2, gamma 0.5: 1 - 1/3.75 = 0.7333..., 1 - 1/3 = 0.6666...
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]])
+    assert_close(length_adaptive_lambda(mask, 0.5), torch.tensor([0.5, 0.0, 0.0]))
+    assert_close(length_adaptive_lambda(mask, 0.5, gamma=0.5), torch.tensor([0.0, 0.0, 0.0]))
+    assert_close(length_adaptive_lambda(mask, 2.0, gamma=0.5), torch.tensor([1 - 1 / 3.75, 1 - 1 / 3, 0.0]))
+    assert torch.equal(length_adaptive_lambda(mask, 2.0, gamma=1.0), length_adaptive_lambda(mask, 2.0))
+    assert_close(length_adaptive_lambda(mask, 2.0, gamma=0.0), torch.tensor([0.5, 0.5, 0.0]))  # l_gamma = 1
+    with pytest.raises(ValueError, match=r"gamma must be in \[0, 1\], got 1.5"):
+        length_adaptive_lambda(mask, 2.0, gamma=1.5)
 
 
 # --------------------------------------------------------------------------------------------------------------

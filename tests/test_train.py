@@ -243,11 +243,12 @@ def test_the_critics_targets_use_the_trainers_lambda(step, settings, lam):
     trainer = TrainerConfig(gamma=0.9, **settings)
     train_mod._iteration(worker, type("Source", (), {"next_batch": lambda self: dict(batch)})(), trainer)
     mask = batch["response_mask"]
-    expected_lam = {"mc": 1.0, "lam": 0.5, "adaptive": length_adaptive_lambda(mask, 0.25)}[lam]
+    expected_lam = {"mc": 1.0, "lam": 0.5, "adaptive": length_adaptive_lambda(mask, 0.25, gamma=0.9)}[lam]
     _, expected = compute_gae_advantage_return(batch["token_level_rewards"], values, mask, 0.9, expected_lam)
     assert torch.equal(worker.seen["returns"], expected)
-    if lam == "adaptive":  # lengths 4..12 at alpha 0.25: lambdas 0 .. 2/3, not one lam for all
+    if lam == "adaptive":  # lengths 4..12 at alpha 0.25, gamma 0.9 (l_gamma 3.4..7.2): lambdas 0 .. 0.44
         assert len(set(expected_lam.tolist())) > 1
+        assert not torch.equal(expected_lam, length_adaptive_lambda(mask, 0.25))  # the discounted length counts
         _, single = compute_gae_advantage_return(batch["token_level_rewards"], values, mask, 0.9, trainer.lam)
         assert not torch.equal(expected, single)
 

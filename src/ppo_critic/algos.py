@@ -218,9 +218,17 @@ def compute_length_adaptive_gae_advantage_return(
     )
 
 
-def length_adaptive_lambda(response_mask: Tensor, alpha: float, dtype: torch.dtype = torch.float32) -> Tensor:
-    """[B] VAPO's per-sequence λ = 1 − 1/(α·l), l the valid tokens of the row, clamped to [0, 1]."""
+def length_adaptive_lambda(
+    response_mask: Tensor, alpha: float, dtype: torch.dtype = torch.float32, gamma: float = 1.0
+) -> Tensor:
+    """[B] VAPO's per-sequence λ = 1 − 1/(α·l), clamped to [0, 1]; l is the row's valid tokens, or with `gamma` < 1
+    its discounted length Σ_{k<l} γ^k = (1 − γ^l)/(1 − γ): rewards beyond ~1/(1 − γ) tokens weigh little in a
+    return whatever λ is, so that is the horizon a long sum of TD errors has to cover."""
     if not alpha > 0:
         raise ValueError(f"alpha must be > 0, got {alpha}")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     lengths = response_mask.bool().sum(-1).to(dtype)
+    if gamma < 1.0:
+        lengths = (1.0 - gamma**lengths) / (1.0 - gamma)
     return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)

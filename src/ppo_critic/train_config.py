@@ -51,8 +51,8 @@ class TrainerConfig:
     lower: more bootstrapping from the critic's values)"""
     length_adaptive_alpha: float | None = 0.5
     """VAPO's length-adaptive λ for the critic's targets: each response's λ = 1 − 1/(α·l), l its tokens, clamped to
-    [0, 1], in place of lam (0.5: λ 0.75 at 8 tokens, 0.83 at 12, 0.98 at 96, 0.99 at 256); null: lam for every
-    response"""
+    [0, 1], in place of lam (0.5: λ 0.75 at 8 tokens, 0.83 at 12, 0.98 at 96, 0.99 at 256); with gamma < 1, l is the
+    discounted length (1 − γ^l)/(1 − γ); null: lam for every response"""
     critic_warmup_steps: int = 0
     """the first N steps use Monte-Carlo returns (λ = 1), not bootstrapped from an untrained critic (not verl's
     trainer.critic_warmup, which freezes an actor)"""
