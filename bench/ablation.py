@@ -107,6 +107,7 @@ BASELINE_LRS = ("3e-4", "1e-3", "3e-3")  # verl's 1e-5 is for a pretrained LLM; 
 PREVIOUS = [*VERL, "trainer.lam=0.5", "critic.ema_decay=0.9"]  # the defaults of `ppo-critic train` before the suite
 
 RECIPE = [*VERL, "critic.ema_decay=0.9", "critic.value_norm=running"]  # λ 1 + weight averaging + running statistics
+ALPHA05 = [*RECIPE, "trainer.length_adaptive_alpha=0.5", "critic.optim.lr=3e-4"]  # the default recipe
 CONFIGS: dict[str, tuple[str, list[str]]] = {
     **{f"verl_lr{lr}": (f"verl's critic at lr {lr}", [*VERL, f"critic.optim.lr={lr}"]) for lr in BASELINE_LRS},
     "previous": ("λ 0.5 + EMA 0.9 (the defaults of `ppo-critic train` before the suite)", PREVIOUS),
@@ -134,7 +135,15 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
             f"adaptive_running_lr3e-4 with α = {a} (λ closer to 1 on short responses)",
             [*RECIPE, f"trainer.length_adaptive_alpha={a}", "critic.optim.lr=3e-4"],
         )
-        for a in ("0.5", "1")
+        for a in ("0.5", "0.7", "1")
+    },
+    "alpha0.5_running_lr5e-4": ("alpha0.5_running_lr3e-4 at lr 5e-4", [*ALPHA05, "critic.optim.lr=5e-4"]),
+    **{
+        f"alpha0.5_{name}_lr3e-4": (f"alpha0.5_running_lr3e-4 with {what}", [*ALPHA05, override])
+        for name, what, override in (
+            ("zerohead", "a zero value head (first outputs: the running mean)", "critic.model.value_head_init=zero"),
+            ("noclip", "no value clipping", "critic.cliprange_value=null"),
+        )
     },
     "adaptive_ema_lr3e-4": (
         "adaptive_running_lr3e-4 without value_norm",
@@ -149,6 +158,13 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         [*RECIPE, "critic.optim.lr=3e-4", "critic.optim.value_head_lr_ratio=10"],
     ),
     **{
+        f"alpha0.5_ema99w_lr{lr}": (
+            f"alpha0.5_running at lr {lr} with EMA 0.99 after timm's warmup (an average over ever more steps)",
+            [*ALPHA05, "critic.ema_decay=0.99", "critic.ema_warmup=true", f"critic.optim.lr={lr}"],
+        )
+        for lr in ("3e-4", "1e-3")
+    },
+    **{
         f"truth_lr{lr}": (
             f"a ceiling: verl's critic at lr {lr} regressed on the true values",
             [*VERL, f"critic.optim.lr={lr}"],
@@ -156,7 +172,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         for lr in BASELINE_LRS
     },
 }
-DEFAULT = "alpha0.5_running_lr3e-4"  # the configuration of `ppo-critic train`'s defaults (tests/test_quality.py)
+DEFAULT = "alpha0.5_running_lr5e-4"  # the configuration of `ppo-critic train`'s defaults (tests/test_quality.py)
 TRUTH = {name for name in CONFIGS if name.startswith("truth_")}  # targets: the task's exact values, not returns
 
 
@@ -359,9 +375,10 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.timing:
         path = RESULTS / "timing.json"
-        timing = json.loads(path.read_text()) if path.exists() else {}
         for task in args.tasks:
-            timing[task] = timing_rounds(task, args.only, args.timing_steps, args.timing_rounds)
+            measured = timing_rounds(task, args.only, args.timing_steps, args.timing_rounds)
+            timing = json.loads(path.read_text()) if path.exists() else {}  # read late: another process's tasks
+            timing[task] = measured
             write_file(path, json.dumps(timing, indent=1))
             print(task, json.dumps(timing[task]), flush=True)
         return

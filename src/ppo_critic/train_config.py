@@ -105,7 +105,7 @@ def _default_critic() -> CriticConfig:
         ppo_mini_batch_size=96,
         ema_decay=0.9,
         value_norm="running",
-        optim=OptimConfig(lr=3e-4),
+        optim=OptimConfig(lr=5e-4),
     )
 
 
