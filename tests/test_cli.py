@@ -37,7 +37,7 @@ def test_train_help_lists_every_option_with_its_default(capsys):
         "trainer.steps=400",
         "critic.ppo_epochs=1",
         "task.min_count=2",
-        "critic.optim.lr=0.0003",
+        "critic.optim.lr=0.0005",
         "critic.ema_decay=0.9",
         "critic.value_norm=running",
         "trainer.length_adaptive_alpha=0.5",

@@ -132,13 +132,13 @@ def test_options_changed_on_resume_are_applied_or_refused(run, capsys):
     assert code == 2 and "critic.loss_agg_mode: 'token-mean' -> 'seq-mean-token-mean'. They cannot change" in text
     assert tree(run) == before
     code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={run}", "trainer.steps=6", "critic.optim.lr=0.005"], capsys)
-    assert code == 0 and "options changed on resume: critic.optim.lr 0.0003 -> 0.005, trainer.steps 4 -> 6" in text
+    assert code == 0 and "options changed on resume: critic.optim.lr 0.0005 -> 0.005, trainer.steps 4 -> 6" in text
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert [r["critic/lr"] for r in rows] == [0.0003] * 4 + [0.005] * 2  # the new rate from the resumed step on
+    assert [r["critic/lr"] for r in rows] == [0.0005] * 4 + [0.005] * 2  # the new rate from the resumed step on
     assert yaml.safe_load((run / "config.yaml").read_text())["critic"]["optim"]["lr"] == 0.005
     history = [json.loads(line) for line in (run / "config_changes.jsonl").read_text().splitlines()]
-    assert history == [{"step": 4, "changed": {"critic.optim.lr": [0.0003, 0.005], "trainer.steps": [4, 6]}}]
+    assert history == [{"step": 4, "changed": {"critic.optim.lr": [0.0005, 0.005], "trainer.steps": [4, 6]}}]
 
 
 def test_a_finished_run_says_so_and_writes_nothing(run, capsys):
