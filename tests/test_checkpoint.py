@@ -11,6 +11,7 @@ from ppo_critic.checkpoint import (
     CheckpointDamaged,
     complete_checkpoints,
     latest_checkpoint,
+    load_state_dicts,
     read_state,
     save_state_dicts,
     verify_checkpoint,
@@ -56,3 +57,24 @@ def test_any_changed_added_or_missing_byte_is_named(tmp_path):
     assert names(tmp_path) == []  # not complete any more: never a resume candidate
     manifest = json.loads((path / "manifest.json").read_text())
     assert "trainer_state.json" in manifest and ".metadata" in manifest
+
+
+def test_an_interrupt_inside_dcp_stays_an_interrupt_and_changes_nothing(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    save(tmp_path, 1)
+
+    def interrupted(self, plan, planner):
+        raise KeyboardInterrupt("signal 15")  # what the CLI's SIGTERM handler raises, here mid-write or mid-read
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # DCP wraps it in a CheckpointException; the CLI must see Ctrl-C
+        save(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
+
+    monkeypatch.setattr(FileSystemReader, "read_data", interrupted)
+    template = {"w": torch.zeros(4)}
+    with pytest.raises(KeyboardInterrupt):  # not "written with another config"
+        load_state_dicts(tmp_path / "step_00000001", template)
+    assert torch.equal(template["w"], torch.zeros(4))

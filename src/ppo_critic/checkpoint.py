@@ -172,12 +172,13 @@ def _hashes(path: Path) -> dict[str, str]:
 
 @contextlib.contextmanager
 def _dcp_errors_as_os_errors() -> Iterator[None]:
-    """DCP wraps a rank's write failure in a CheckpointException: surface the error inside (an OSError such as a
-    full disk or a read-only file system, or the library's own), so it is reported like any other failed write."""
+    """DCP wraps a rank's write failure in a CheckpointException: surface the error inside (an interrupt, an OSError
+    such as a full disk or a read-only file system, or the library's own), so it is reported like any other."""
     try:
         yield
     except CheckpointException as err:
         causes = _causes(err)
+        _raise_interrupt(err)
         for cause in sorted(causes, key=lambda c: not isinstance(c, OSError)):
             if isinstance(cause, OSError | RuntimeError | ValueError):
                 raise cause from err
@@ -267,6 +268,7 @@ def load_state_dicts(
         with _single_process_ok():
             dcp.load(state_dict, storage_reader=FileSystemReader(path), planner=_WeightsOnlyLoadPlanner())
     except CheckpointException as err:
+        _raise_interrupt(err)
         causes = "; ".join(f"{type(e).__name__}: {e}" for e in _causes(err)) or str(err)
         raise ValueError(
             f"cannot load checkpoint {path} into this model and optimizer ({causes}); it was written with another "
@@ -345,6 +347,14 @@ def _causes(err: CheckpointException) -> list[BaseException]:
     """The exceptions DCP collected from the ranks (each wrapped as `(exception, traceback)`)."""
     failures = getattr(err, "failures", None) or {}
     return [f[0] if isinstance(f, tuple) else f for f in failures.values() if isinstance(f, (tuple, BaseException))]
+
+
+def _raise_interrupt(err: CheckpointException) -> None:
+    """Ctrl-C or SIGTERM that landed inside DCP's reader or writer: raise it as the interrupt it is, not as a failed
+    read or write."""
+    interrupt = next((c for c in _causes(err) if isinstance(c, KeyboardInterrupt)), None)
+    if interrupt is not None:
+        raise interrupt from err
 
 
 def export_hf(
