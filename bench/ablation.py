@@ -84,6 +84,7 @@ VERL = [
     "trainer.rollout_batch_size=192",
     "trainer.lam=1.0",
     "trainer.length_adaptive_alpha=null",
+    "trainer.length_adaptive_scope=response",  # what every α configuration before the batch scope ran with
     "trainer.critic_warmup_steps=0",
     "critic.ppo_mini_batch_size=96",
     "critic.ppo_micro_batch_size_per_gpu=null",
@@ -145,6 +146,23 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
             ("noclip", "no value clipping", "critic.cliprange_value=null"),
         )
     },
+    **{
+        f"batch_alpha{a}_lr5e-4{suffix}": (
+            f"alpha0.5_running_lr5e-4 with α = {a}, λ by the batch's mean length{what}",
+            [
+                *ALPHA05,
+                "critic.optim.lr=5e-4",
+                "trainer.length_adaptive_scope=batch",
+                f"trainer.length_adaptive_alpha={a}",
+                *extra,
+            ],
+        )
+        for a, suffix, what, extra in (
+            ("0.5", "", "", []),
+            ("1", "", "", []),
+            ("0.5", "_noclip", ", no value clipping", ["critic.cliprange_value=null"]),
+        )
+    },
     "adaptive_ema_lr3e-4": (
         "adaptive_running_lr3e-4 without value_norm",
         [*VERL, "critic.ema_decay=0.9", "trainer.length_adaptive_alpha=0.2", "critic.optim.lr=3e-4"],
@@ -172,7 +190,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
         for lr in BASELINE_LRS
     },
 }
-DEFAULT = "alpha0.5_running_lr5e-4"  # the configuration of `ppo-critic train`'s defaults (tests/test_quality.py)
+DEFAULT = "batch_alpha0.5_lr5e-4"  # the configuration of `ppo-critic train`'s defaults (tests/test_quality.py)
 TRUTH = {name for name in CONFIGS if name.startswith("truth_")}  # targets: the task's exact values, not returns
 
 

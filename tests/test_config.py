@@ -174,6 +174,10 @@ def test_dynamic_batching_does_not_need_divisible_micro_batches():
         ({"trainer": {"length_adaptive_alpha": 0}}, "trainer.length_adaptive_alpha=0.0 must be a number > 0"),
         ({"trainer": {"length_adaptive_alpha": "x"}}, "trainer.length_adaptive_alpha='x' must be a number"),
         ({"trainer": {"lam": 0.9}}, "trainer.lam=0.9 has no effect while trainer.length_adaptive_alpha=0.5"),
+        (
+            {"trainer": {"length_adaptive_scope": "token"}},
+            "trainer.length_adaptive_scope='token' must be one of response, batch",
+        ),
         ({"task": {"name": "dense", "num_targets": 2}}, "unknown config key 'task.num_targets'"),
         (
             {"task": {"name": "chess"}},

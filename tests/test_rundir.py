@@ -89,6 +89,15 @@ def test_options_that_may_change_on_resume_and_those_that_may_not(tmp_path):
         rundir.option_changes(run, now, rundir.CHANGEABLE_ON_RESUME)
 
 
+def test_a_run_saved_before_an_option_existed_resumes_with_the_value_it_meant(tmp_path):
+    run = a_run(tmp_path / "run")  # its config.yaml has no trainer.length_adaptive_scope
+    now = {"trainer": {"steps": 4, "length_adaptive_scope": "response"}, "critic": {"optim": {"lr": 0.001}}}
+    assert rundir.option_changes(run, now, rundir.CHANGEABLE_ON_RESUME) == {}
+    now["trainer"]["length_adaptive_scope"] = "batch"
+    with pytest.raises(ValueError, match=r"trainer.length_adaptive_scope: 'response' -> 'batch'\. They cannot"):
+        rundir.option_changes(run, now, rundir.CHANGEABLE_ON_RESUME)
+
+
 def test_resume_auto_skips_damaged_checkpoints_out_loud(tmp_path):
     config = {"ppo_mini_batch_size": 4, "model": {"override_config": tiny_config()}}
     worker = CriticWorker(config)

@@ -228,8 +228,9 @@ class _Recorder:
     [
         (0, {"lam": 0.5, "length_adaptive_alpha": None, "critic_warmup_steps": 2}, "mc"),  # warmup: MC returns
         (2, {"lam": 0.5, "length_adaptive_alpha": None, "critic_warmup_steps": 2}, "lam"),
-        (0, {"length_adaptive_alpha": 0.25}, "adaptive"),
+        (0, {"length_adaptive_alpha": 0.25, "length_adaptive_scope": "response"}, "adaptive"),
         (0, {"length_adaptive_alpha": 0.25, "critic_warmup_steps": 1}, "mc"),
+        (0, {"length_adaptive_alpha": 0.25, "length_adaptive_scope": "batch"}, "batch"),
     ],
 )
 def test_the_critics_targets_use_the_trainers_lambda(step, settings, lam):
@@ -243,7 +244,12 @@ def test_the_critics_targets_use_the_trainers_lambda(step, settings, lam):
     trainer = TrainerConfig(gamma=0.9, **settings)
     train_mod._iteration(worker, type("Source", (), {"next_batch": lambda self: dict(batch)})(), trainer)
     mask = batch["response_mask"]
-    expected_lam = {"mc": 1.0, "lam": 0.5, "adaptive": length_adaptive_lambda(mask, 0.25, gamma=0.9)}[lam]
+    expected_lam = {
+        "mc": 1.0,
+        "lam": 0.5,
+        "adaptive": length_adaptive_lambda(mask, 0.25, gamma=0.9),
+        "batch": length_adaptive_lambda(mask, 0.25, gamma=0.9, scope="batch"),
+    }[lam]
     _, expected = compute_gae_advantage_return(batch["token_level_rewards"], values, mask, 0.9, expected_lam)
     assert torch.equal(worker.seen["returns"], expected)
     if lam == "adaptive":  # lengths 4..12 at alpha 0.25, gamma 0.9 (l_gamma 3.4..7.2): lambdas 0 .. 0.44
@@ -251,6 +257,11 @@ def test_the_critics_targets_use_the_trainers_lambda(step, settings, lam):
         assert not torch.equal(expected_lam, length_adaptive_lambda(mask, 0.25))  # the discounted length counts
         _, single = compute_gae_advantage_return(batch["token_level_rewards"], values, mask, 0.9, trainer.lam)
         assert not torch.equal(expected, single)
+    if lam == "batch":  # one λ for all rows, that of the mean discounted length
+        assert len(set(expected_lam.tolist())) == 1
+        l_gamma = (1 - 0.9 ** mask.sum(-1).double()) / 0.1
+        # float32 against float64: a few roundings of values near 1, each <= 2^-24 ≈ 6e-8, stay below 1e-6
+        assert expected_lam[0].item() == pytest.approx(1 - 1 / (0.25 * l_gamma.mean().item()), abs=1e-6)
 
 
 def test_the_default_model_covers_the_longest_rollout():
@@ -281,3 +292,17 @@ def test_every_task_trains_and_is_judged_against_its_truth(tmp_path, name):
     task = TASKS[name][0](cfg.task_config())
     assert torch.equal(source.eval_batch["true_values"], task.true_values(source.eval_batch, 0.9))
     assert source.eval_name == f"16 held-out rollouts of the {name} task (another seed)"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "shown"),
+    [
+        ([], "λ 1−1/(0.5·mean l), γ 1"),
+        (["trainer.length_adaptive_scope=response", "trainer.gamma=0.9"], "λ 1−1/(0.5·l_γ), γ 0.9"),
+        (["trainer.length_adaptive_alpha=null", "trainer.lam=0.7"], "λ 0.7, γ 1"),
+    ],
+)
+def test_the_curves_title_names_the_lambda_rule(overrides, shown):
+    cfg = load_config(None, overrides)
+    title = train_mod.run_title(cfg, type("Source", (), {"name": "task counting"})())
+    assert title.endswith(shown) and "task counting" in title

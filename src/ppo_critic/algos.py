@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ppo_critic.modes import LOSS_AGG_MODES, VF_LOSS_TYPES
+from ppo_critic.modes import LENGTH_ADAPTIVE_SCOPES, LOSS_AGG_MODES, VF_LOSS_TYPES
 
 
 def _masked(x: Tensor, mask: Tensor) -> Tensor:
@@ -219,16 +219,30 @@ def compute_length_adaptive_gae_advantage_return(
 
 
 def length_adaptive_lambda(
-    response_mask: Tensor, alpha: float, dtype: torch.dtype = torch.float32, gamma: float = 1.0
+    response_mask: Tensor,
+    alpha: float,
+    dtype: torch.dtype = torch.float32,
+    gamma: float = 1.0,
+    scope: str = "response",
 ) -> Tensor:
-    """[B] VAPO's per-sequence λ = 1 − 1/(α·l), clamped to [0, 1]; l is the row's valid tokens, or with `gamma` < 1
-    its discounted length Σ_{k<l} γ^k = (1 − γ^l)/(1 − γ): rewards beyond ~1/(1 − γ) tokens weigh little in a
-    return whatever λ is, so that is the horizon a long sum of TD errors has to cover."""
+    """[B] VAPO's λ = 1 − 1/(α·l), clamped to [0, 1]; l is the row's valid tokens, or with `gamma` < 1 its discounted
+    length Σ_{k<l} γ^k = (1 − γ^l)/(1 − γ): rewards beyond ~1/(1 − γ) tokens weigh little in a return whatever λ is,
+    so that is the horizon a long sum of TD errors has to cover.
+
+    `scope="response"`: each row's own l (VAPO's rule). `scope="batch"`: every row gets the λ of the mean l over the
+    batch's non-empty rows. A row's own length is a future event its earlier tokens cannot see; where it correlates
+    with the reward, λ by own length biases the critic's targets (returns with the true values then no longer
+    average to them), λ by the batch's mean length does not (up to one row's 1/B share of the mean)."""
     if not alpha > 0:
         raise ValueError(f"alpha must be > 0, got {alpha}")
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    if scope not in LENGTH_ADAPTIVE_SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(LENGTH_ADAPTIVE_SCOPES)}, got {scope!r}")
     lengths = response_mask.bool().sum(-1).to(dtype)
+    nonempty = lengths > 0
     if gamma < 1.0:
         lengths = (1.0 - gamma**lengths) / (1.0 - gamma)
+    if scope == "batch" and nonempty.any():
+        lengths = lengths[nonempty].mean().expand_as(lengths)
     return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)

@@ -37,6 +37,8 @@ CHANGEABLE_ON_RESUME = (
     "critic.optim.lr",
 )
 NOT_COMPARED = ("trainer.resume", "trainer.run_dir")  # how the run is found, not what it is
+# options added after runs were saved: the value a saved config without them meant (such a run stays resumable)
+ADDED_OPTIONS = {"trainer.length_adaptive_scope": "response"}
 T = TypeVar("T")
 
 
@@ -117,8 +119,8 @@ def option_changes(run_dir: Path, current: dict[str, Any], changeable: tuple[str
     saved_file = run_dir / CONFIG_FILE
     if not saved_file.is_file():
         return {}
-    saved = _flat(yaml.safe_load(saved_file.read_text()) or {})
-    now = _flat(current)
+    saved = {**ADDED_OPTIONS, **_flat(yaml.safe_load(saved_file.read_text()) or {})}
+    now = {**ADDED_OPTIONS, **_flat(current)}
     differ = {k: [saved.get(k), now.get(k)] for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)}
     differ = {k: v for k, v in differ.items() if k not in NOT_COMPARED}
     refused = {k: v for k, v in differ.items() if k not in changeable}

@@ -282,7 +282,7 @@ def run_title(cfg: TrainConfig, source: TaskSource | FileSource) -> str:
     what = Path(model.path).name if model.path else f"{shape.get('model_type')} {shape.get('hidden_size')}×"
     what += "" if model.path else f"{shape.get('num_hidden_layers')}"
     t = cfg.trainer
-    length = "l" if t.gamma == 1 else "l_γ"
+    length = ("" if t.length_adaptive_scope == "response" else "mean ") + ("l" if t.gamma == 1 else "l_γ")
     lam = f"1−1/({t.length_adaptive_alpha:g}·{length})" if t.length_adaptive_alpha is not None else f"{t.lam:g}"
     return (
         f"{t.run_dir} — {source.name}, {what}, lr {cfg.critic.optim.lr:g}, ema {cfg.critic.ema_decay:g}, "
@@ -297,7 +297,7 @@ def _iteration(worker: CriticWorker, source: TaskSource | FileSource, t: Trainer
     if worker.step < t.critic_warmup_steps:  # Monte-Carlo returns while the critic warms up
         _, batch["returns"] = compute_gae_advantage_return(rewards, values, mask, t.gamma, 1.0)
     elif t.length_adaptive_alpha is not None:
-        lam = length_adaptive_lambda(mask, t.length_adaptive_alpha, gamma=t.gamma)
+        lam = length_adaptive_lambda(mask, t.length_adaptive_alpha, gamma=t.gamma, scope=t.length_adaptive_scope)
         _, batch["returns"] = compute_gae_advantage_return(rewards, values, mask, t.gamma, lam)
     else:
         _, batch["returns"] = compute_gae_advantage_return(rewards, values, mask, t.gamma, t.lam)

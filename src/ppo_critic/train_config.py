@@ -15,6 +15,7 @@ from typing import Any
 
 from ppo_critic.config import CriticConfig, OptimConfig, from_mapping
 from ppo_critic.loggers import check_loggers
+from ppo_critic.modes import LENGTH_ADAPTIVE_SCOPES
 from ppo_critic.tasks import TASK_CONFIGS
 
 MAX_SEED = 2**62  # seeds of torch generators are 64-bit; the held-out set uses seed + a constant
@@ -50,9 +51,13 @@ class TrainerConfig:
     """the λ of the critic's GAE targets when length_adaptive_alpha is null (1: Monte-Carlo returns, verl's default;
     lower: more bootstrapping from the critic's values)"""
     length_adaptive_alpha: float | None = 0.5
-    """VAPO's length-adaptive λ for the critic's targets: each response's λ = 1 − 1/(α·l), l its tokens, clamped to
-    [0, 1], in place of lam (0.5: λ 0.75 at 8 tokens, 0.83 at 12, 0.98 at 96, 0.99 at 256); with gamma < 1, l is the
-    discounted length (1 − γ^l)/(1 − γ); null: lam for every response"""
+    """VAPO's length-adaptive λ for the critic's targets: λ = 1 − 1/(α·l), l a length in tokens (see
+    length_adaptive_scope), clamped to [0, 1], in place of lam (0.5: λ 0.75 at 8 tokens, 0.83 at 12, 0.98 at 96,
+    0.99 at 256); with gamma < 1, l is the discounted length (1 − γ^l)/(1 − γ); null: lam for every response"""
+    length_adaptive_scope: str = "batch"
+    """whose length l is in length_adaptive_alpha's rule: batch (every response gets the λ of the batch's mean
+    length) or response (each its own, VAPO's rule: a response's length is a future its first tokens cannot see,
+    and where it correlates with the reward, λ by it biases the critic's targets; docs/QUALITY.md)"""
     critic_warmup_steps: int = 0
     """the first N steps use Monte-Carlo returns (λ = 1), not bootstrapped from an untrained critic (not verl's
     trainer.critic_warmup, which freezes an actor)"""
@@ -145,6 +150,11 @@ class TrainConfig:
         alpha = t.length_adaptive_alpha
         if alpha is not None and not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha > 0):
             raise ValueError(f"trainer.length_adaptive_alpha={alpha!r} must be a number > 0, or null (trainer.lam)")
+        if t.length_adaptive_scope not in LENGTH_ADAPTIVE_SCOPES:
+            raise ValueError(
+                f"trainer.length_adaptive_scope={t.length_adaptive_scope!r} must be one of "
+                f"{', '.join(LENGTH_ADAPTIVE_SCOPES)}"
+            )
         if alpha is not None and t.lam != 1.0:  # lam would be silently unused: each response's λ comes from alpha
             raise ValueError(
                 f"trainer.lam={t.lam} has no effect while trainer.length_adaptive_alpha={alpha} sets each response's λ;"
