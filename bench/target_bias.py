@@ -62,6 +62,8 @@ def fixed_point_table(batches: int = 40, size: int = 4096) -> str:
     seen = (hits.cumsum(-1) - hits).clamp(max=m)
     state = ((paces[:, None] * width + torch.arange(width)) * (m + 1) + seen)[valid]
     lines = [
+        f"The critic's fixed point on `lengths` ({batches * size} responses):",
+        "",
         "| rule on `lengths` | EV of the fixed point vs the truth | mean abs(fixed point − truth) |",
         "|---|---|---|",
     ]
@@ -81,5 +83,5 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     print("Σ_t (return − true value) per response, mean (z):\n")
     print(z_table())
-    print(f"\nThe critic's fixed point on `lengths` ({40 * 4096} responses):\n")
+    print()
     print(fixed_point_table())
