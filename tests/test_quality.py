@@ -4,6 +4,7 @@ shuffling, and the built-in trainer's critic warmup."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,9 +248,21 @@ def test_the_ablation_script_runs_configurations_and_tabulates_them():
     )
     timing = {"dense": {default: 0.5, "verl_lr3e-3": 0.6}}
     (row,) = ablation.summary_table({"dense": runs}, timing).splitlines()[2:]
-    assert row.startswith("| dense |") and "| verl_lr3e-3 | 4 | 2 | 0.50 | 0.960 / 0.990 | 0.600 / 0.500 | yes |" in row
+    assert (
+        row.startswith("| dense |")
+        and "| verl_lr3e-3 | 4 | 2 | 0.50 | 0.960 / 0.990 | 0.600 / 0.500 | — | yes |" in row
+    )
     timing["dense"][default] = 0.7  # slower per iteration: the bar is not met
-    assert ablation.summary_table({"dense": runs}, timing).endswith("| **no** |")
+    assert ablation.summary_table({"dense": runs}, timing).endswith("| — | **no** |")
+    # the exact-value ceiling: the truth configuration with the fewest median iterations to 0.95
+    truth = [{"curve": [(2, 0.9, 1.0), (4, 0.95, 2.0)], "best_ev": 0.95, "final_ev": 0.95, "train_s": 2.0}]
+    runs |= {"truth_lr1e-3": truth, "truth_lr3e-3": [{**truth[0], "curve": [(2, 0.5, 1.0), (4, 0.6, 2.0)]}]}
+    assert ablation.ceiling(runs) == ("truth_lr1e-3", 4)
+    assert ablation.summary_table({"dense": runs}, timing).endswith(
+        "| 4 (truth_lr1e-3) | **no** (half of 4 is below the ceiling) |"
+    )
+    timing["dense"][default] = 0.5  # met: the ceiling is reported, the verdict is yes
+    assert ablation.summary_table({"dense": runs}, timing).endswith("| 4 (truth_lr1e-3) | yes |")
 
 
 def test_the_ablation_baselines_are_verls_critic_whatever_ppo_critic_train_defaults_to():
@@ -287,4 +300,28 @@ def test_the_ablations_ceiling_regresses_on_the_true_values():
     ablation._truth_iteration(worker, source, TrainerConfig(gamma=0.9))
     assert torch.equal(seen["returns"], task.true_values(batch, 0.9))
     assert not torch.equal(seen["returns"], batch["true_values"])  # those are at gamma 1
-    assert {f"truth_lr{lr}" for lr in ablation.BASELINE_LRS} == ablation.TRUTH
+    assert {f"truth_lr{lr}" for lr in ablation.BASELINE_LRS} | {"truth_default"} == ablation.TRUTH
+    assert ablation.CONFIGS["truth_default"][1] == ablation.CONFIGS[ablation.DEFAULT][1]
+
+
+def _append_runs(ablation_dir: str, first: int) -> None:
+    ablation = _ablation()
+    ablation.RESULTS = Path(ablation_dir)
+    for seed in range(first, first + 20):
+        ablation.append("dense", {"config": "x", "seed": seed}, {})
+
+
+def test_ablations_side_by_side_on_one_task_keep_each_others_runs(tmp_path):
+    """Two processes appending to the same task's result file: every run of both is in it (read under a lock)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_append_runs, args=(str(tmp_path), first)) for first in (0, 100)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+        assert proc.exitcode == 0
+    ablation = _ablation()
+    ablation.RESULTS = tmp_path
+    assert sorted(r["seed"] for r in ablation.load("dense")) == [*range(20), *range(100, 120)]
