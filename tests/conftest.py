@@ -33,6 +33,16 @@ TINY = {
 FP32_REORDERED = {"rtol": 1e-5, "atol": 1e-5}
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` are skipped on a machine without CUDA (and `-m cuda` selects exactly them on a GPU)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_process_group():
     """A test that leaves a default process group behind makes every later single-process test see a world of one

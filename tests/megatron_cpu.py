@@ -1,8 +1,9 @@
 """Test-only: run megatron-core on CPU with gloo. Never imported by the library.
 
-megatron-core 0.16 assumes CUDA in a few places: tensors created with `device="cuda"` or
+megatron-core (0.16 to 0.19) assumes CUDA in a few places: tensors created with `device="cuda"` or
 `torch.cuda.current_device()` (pipeline p2p buffers, token counters, gradient buffers),
-`torch.cuda.synchronize()`, and optimizer checks that parameters are `torch.cuda.*Tensor`.
+`torch.cuda.synchronize()`, `torch.cuda.current_stream()` (0.19's gradient reduction), and optimizer checks that
+parameters are `torch.cuda.*Tensor`.
 `redirect_cuda_to_cpu()` gives those megatron modules a `torch` whose factory functions put such tensors on
 the CPU, and makes `Tensor.type()` (no arguments) name CPU float tensors as their CUDA types.
 """
@@ -56,7 +57,9 @@ def _cpu_torch() -> types.ModuleType:
     proxy.__dict__.update(torch.__dict__)
     for name in _FACTORIES:
         setattr(proxy, name, _factory(getattr(torch, name)))
-    proxy.cuda = _CpuCuda(current_device=lambda: "cpu", synchronize=lambda *a, **k: None)
+    proxy.cuda = _CpuCuda(
+        current_device=lambda: "cpu", synchronize=lambda *a, **k: None, current_stream=torch.cpu.current_stream
+    )
     return proxy
 
 

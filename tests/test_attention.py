@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import FP32_REORDERED, make_batch, tiny_config
-from ppo_critic import attention, build_value_model
+from cuda_contract import Calls, ContractError, flash_attn_varlen_func, opaque_kernel, torch_varlen_attn
+from ppo_critic import DataParallelPPOCritic, attention, build_value_model
 from ppo_critic.attention import Buckets, bucket_shapes, packed_blocker, varlen_attention
 from test_packing import assert_same_values_and_update, critic_pair
 
@@ -188,10 +189,10 @@ def test_packed_blocker_names_what_stops_packing(build, name, device, dtype, rea
 
 
 def test_packed_blocker_on_cuda_needs_a_varlen_kernel(monkeypatch):
-    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object())
+    attention.register()
+    monkeypatch.setitem(attention.KERNELS, "cuda", object())
     assert packed_blocker(tiny(), None, CUDA, torch.bfloat16) is None
-    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: None)
-    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delitem(attention.KERNELS, "cuda")
     assert "neither flash-attn nor" in packed_blocker(tiny(), None, CUDA, torch.bfloat16)
 
 
@@ -199,3 +200,122 @@ def test_packed_blocker_needs_a_model_that_passes_kwargs_to_its_attention(monkey
     model = tiny()
     monkeypatch.setattr(type(model), "_supports_attention_backend", False)
     assert "does not pass keyword arguments" in packed_blocker(model, None, CPU, torch.float32)
+
+
+# The CUDA kernel branch of the varlen attention, run on the CPU through stand-ins of the CUDA kernels that enforce
+# their input contracts (tests/cuda_contract.py): our adapters around each kernel signature are the real ones.
+KERNEL_DOUBLES = {
+    "torch varlen_attn": lambda calls: attention.torch_varlen_kernel(torch_varlen_attn(calls)),
+    "torch varlen_attn, older signature": lambda calls: attention.torch_varlen_kernel(
+        torch_varlen_attn(calls, legacy=True)
+    ),
+    "flash-attn": lambda calls: attention.flash_kernel(flash_attn_varlen_func(calls)),
+}
+
+
+@pytest.fixture(params=list(KERNEL_DOUBLES))
+def cpu_kernel(request, monkeypatch) -> Calls:
+    """This test's CPU tensors take the kernel branch (the one CUDA tensors take), through a contract stand-in."""
+    calls = Calls()
+    attention.register()
+    monkeypatch.setitem(attention.KERNELS, "cpu", KERNEL_DOUBLES[request.param](calls))
+    return calls
+
+
+def test_the_kernel_branch_under_bf16_autocast_gives_the_padded_values(cpu_kernel):
+    """bf16 autocast over fp32 weights (ppo-critic's default on CUDA): RoPE hands q and k back in float32 beside a
+    bf16 v, yet the kernel gets one bf16 dtype, and values and update agree with the padded bf16 critic."""
+    padded, packed = critic_pair("qwen2", dtype="bfloat16")  # GQA: 4 query heads, 2 key/value
+    batch = make_batch(8, 7, 6, seed=9)
+    values = packed.compute_values(batch)
+    assert cpu_kernel.dtypes and set(cpu_kernel.dtypes) == {torch.bfloat16}
+    # Both run every matmul in bf16 under autocast and differ only in how attention rounds: the stand-in attends in
+    # float32 to the bf16 q/k/v and rounds the output once, sdpa's CPU kernel accumulates in other blocks. The values
+    # (|v| < 0.5) then differ by a few bf16 ulps (2**-9 at 0.25-0.5; measured: one); a wrong position or mask moves
+    # them by ~0.1.
+    torch.testing.assert_close(values, padded.compute_values(batch), rtol=0, atol=1e-2)
+    before = [p.detach().clone() for p in packed.critic_module.parameters()]
+    assert packed.update_critic(batch)["critic/skipped_steps"] == 0
+    assert any(not torch.equal(a, p) for a, p in zip(before, packed.critic_module.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("kv_heads", "causal"), [(2, True), (4, True), (2, False)])
+def test_the_kernel_branch_casts_mixed_autocast_inputs_to_one_half_dtype(cpu_kernel, kv_heads, causal):
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 7]
+    q = torch.randn(1, 4, sum(lengths), 16, generator=g)  # float32, as RoPE returns them under autocast
+    k = torch.randn(1, kv_heads, sum(lengths), 16, generator=g)
+    v = torch.randn(1, kv_heads, sum(lengths), 16, generator=g).bfloat16()  # the autocast dtype, from a Linear
+    module = nn.Module()
+    module.is_causal = causal
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = varlen_attention(module, q, k, v, None, cu_seq_lens_q=cu_seqlens(lengths), max_length_q=7)
+    assert cpu_kernel.dtypes == [torch.bfloat16] and out.dtype == torch.bfloat16 and out.shape == (1, 13, 4, 16)
+    reference = per_sequence_reference(q.bfloat16().float(), k.bfloat16().float(), v.float(), lengths, causal)
+    # the stand-in attends in float32 to the bf16-rounded inputs, then rounds once: one bf16 rounding (2**-9)
+    # of outputs of magnitude < 3
+    torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-2)
+
+
+def test_the_kernel_branch_refuses_float32_without_autocast_with_the_fix(cpu_kernel):
+    q = torch.randn(1, 4, 6, 16)
+    with pytest.raises(ValueError, match=r"take float16 / bfloat16, got torch.float32; set critic.dtype=bfloat16"):
+        varlen_attention(nn.Module(), q, q, q, None, cu_seq_lens_q=cu_seqlens([6]))
+    assert not cpu_kernel.dtypes
+
+
+def test_explicit_packing_with_float32_on_a_kernel_device_is_refused_up_front(cpu_kernel):
+    model = tiny()
+    config = {"ppo_mini_batch_size": 8, "model": {"use_remove_padding": True}}
+    with pytest.raises(ValueError, match=r"use_remove_padding: cannot run packed rows .*float16 / bfloat16"):
+        DataParallelPPOCritic(config, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    auto = DataParallelPPOCritic({**config, "model": {}}, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not auto.use_remove_padding  # auto: padded, since float32 cannot run packed there
+
+
+def test_the_contract_stand_ins_refuse_what_the_kernels_refuse():
+    calls = Calls()
+    torch_kernel = attention.torch_varlen_kernel(torch_varlen_attn(calls))
+    q, cu = torch.randn(6, 4, 16).bfloat16(), cu_seqlens([6])
+    with pytest.raises(ContractError, match="one dtype"):
+        torch_kernel(q, q.float(), q, cu, 6, None, 0.0, True)
+    with pytest.raises(ContractError, match="int32"):
+        torch_kernel(q, q, q, cu.long(), 6, None, 0.0, True)
+    with pytest.raises(ContractError, match="max length"):
+        torch_kernel(q, q, q, cu, 5, None, 0.0, True)
+    with pytest.raises(ContractError, match="GQA"):
+        torch_varlen_attn(calls, legacy=True)(q, q[:, :2], q[:, :2], cu, cu, 6, 6, True)
+    assert calls.dtypes == []
+
+
+def attend(q, k, v, cu, longest):
+    """The packed attention as a decoder layer calls it, under bf16 autocast."""
+    with torch.autocast(q.device.type, dtype=torch.bfloat16):
+        return varlen_attention(nn.Module(), q, k, v, None, cu_seq_lens_q=cu, max_length_q=longest)[0]
+
+
+def test_the_kernel_branch_traces_into_one_graph(monkeypatch):
+    """With `use_torch_compile`, choosing the kernel inside traced code (an import, a signature lookup per call)
+    would break the graph at every attention call; the choice is made at registration."""
+    attention.register()
+    monkeypatch.setitem(attention.KERNELS, "cpu", opaque_kernel)
+    q, kv = torch.randn(1, 4, 9, 16), torch.randn(1, 2, 9, 16)
+    explained = torch._dynamo.explain(attend)(q, kv, kv.bfloat16(), cu_seqlens([4, 5]), 5)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+@pytest.mark.cuda
+def test_the_cuda_kernel_traces_into_one_graph():
+    """The real CUDA kernel (flash-attn, else torch's varlen_attn) behind the same dispatch, with no graph break."""
+    attention.register()
+    q, kv = torch.randn(1, 4, 9, 64, device="cuda"), torch.randn(1, 2, 9, 64, device="cuda")
+    explained = torch._dynamo.explain(attend)(q, kv, kv.bfloat16(), cu_seqlens([4, 5]).cuda(), 5)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.cuda
+def test_explicit_packing_in_float32_on_cuda_is_refused_up_front():
+    model = tiny().cuda()
+    config = {"ppo_mini_batch_size": 8, "dtype": "float32", "model": {"use_remove_padding": True}}
+    with pytest.raises(ValueError, match=r"cannot run packed rows .*take float16 / bfloat16, not torch.float32"):
+        DataParallelPPOCritic(config, model, torch.optim.SGD(model.parameters(), lr=0.1))

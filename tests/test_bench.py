@@ -189,3 +189,101 @@ def test_bench_levers_build_their_workers_and_profile_names_the_top_operators(tm
         assert sum(o["share"] for o in ops) <= 1.0 + 1e-9
         assert [o["ms"] for o in ops] == sorted((o["ms"] for o in ops), reverse=True)
     assert json.loads(out.read_text())["profile"] == summary["profile"]
+
+
+def test_a_path_that_cannot_build_is_an_error_row_and_the_others_are_measured(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("megatron builds on CUDA; this checks the row of a path that cannot build")
+    out = tmp_path / "result.json"
+    command = [sys.executable, "-m", "ppo_critic", "bench", *TINY, "paths=padded,megatron,packed", "repeats=1"]
+    # a process of its own: megatron's build joins a process group before it finds no CUDA
+    result = subprocess.run([*command, f"out={out}"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    error = summary["errors"]["megatron"]  # megatron needs CUDA (or megatron-core): it cannot build here
+    assert error.startswith("error: ") and error.endswith("(while building)") and "\n" not in error
+    assert list(summary["median"]) == ["padded", "packed"]
+    for path in ("padded", "packed"):
+        assert summary["median"][path]["update_critic"] > 0 and summary["median"][path]["compute_values"] > 0
+    assert summary["vs_padded"]["packed"]["update_critic"] > 0
+    rows = [line.split()[0] for line in result.stdout.splitlines()[3:]]
+    assert rows == ["padded", "megatron", "packed"]  # in the order asked, the error in its place
+    assert f"\nmegatron{' ' * 11}{error}\n" in result.stdout
+    assert "path megatron failed while building" in result.stderr and "Traceback" in result.stderr
+
+
+def test_a_baseline_failing_while_running_leaves_the_other_paths_and_says_there_is_no_ratio(monkeypatch, capsys):
+    import ppo_critic.bench as bench
+
+    built = bench.make_worker
+
+    def make_worker(cfg, path):
+        worker = built(cfg, path)
+        if path == "padded":
+
+            def out_of_memory(batch):
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail on a second line")
+
+            worker.update_critic = out_of_memory
+        return worker
+
+    monkeypatch.setattr(bench, "make_worker", make_worker)
+    summary = bench.main([*TINY, "paths=padded,packed+dyn", "repeats=1"])
+    assert summary["errors"] == {
+        "padded": "error: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (while warming up)"
+    }
+    assert list(summary["median"]) == ["packed+dyn"] and summary["median"]["packed+dyn"]["update_critic"] > 0
+    assert summary["vs_padded"] == {}
+    lines = capsys.readouterr().out.splitlines()
+    header, padded, packed = lines[2:5]
+    assert padded.split(None, 1) == ["padded", summary["errors"]["padded"]]
+    assert packed.split()[-4:] == ["no", "baseline", "no", "baseline"]
+    assert header.index("update x padded") + len("update x padded") == len(packed)  # aligned under its header
+    assert lines[5] == f"x padded: none, the padded baseline failed ({summary['errors']['padded']})"
+
+
+def test_a_run_stopped_early_leaves_the_medians_of_the_rounds_it_finished(tmp_path, monkeypatch):
+    import ppo_critic.bench as bench
+
+    built = bench.make_worker
+
+    def make_worker(cfg, path):
+        worker = built(cfg, path)
+        calls = []
+        values = worker.compute_values
+
+        def compute_values(batch):
+            calls.append(1)
+            if len(calls) == 3:  # warm-up, round 1, then the time box's SIGINT in round 2
+                raise KeyboardInterrupt
+            return values(batch)
+
+        worker.compute_values = compute_values
+        return worker
+
+    monkeypatch.setattr(bench, "make_worker", make_worker)
+    out = tmp_path / "result.json"
+    with pytest.raises(KeyboardInterrupt):  # an interrupt is not a path's failure: it stops the bench
+        bench.main([*TINY, "paths=packed", "repeats=3", f"out={out}"])
+    partial = json.loads(out.read_text())
+    assert partial["rounds"] == 1 and partial["config"]["repeats"] == 3
+    assert len(partial["runs"]["packed"]["update_critic"]) == 1 and partial["median"]["packed"]["update_critic"] > 0
+
+
+def test_check_resolves_the_options_for_cuda_without_building_anything(monkeypatch, capsys):
+    import ppo_critic.bench as bench
+
+    def no_worker(cfg, path):
+        raise AssertionError("check=true built a worker")
+
+    monkeypatch.setattr(bench, "make_worker", no_worker)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    resolved = bench.main(["check=true", "device=cuda", "paths=padded,megatron", "repeats=3"])
+    assert (resolved["layers"], resolved["hidden"], resolved["batch"], resolved["response"]) == (24, 896, 32, 1024)
+    assert resolved["dtype"] == "bfloat16" and resolved["budget"] == 2 * 8 * (512 + 1024)
+    assert json.loads(capsys.readouterr().out)["check"] == "ok"
+    assert bench.main(["check=true", "device=cpu"])["layers"] == 4  # the CPU defaults where the device is the CPU
+    with pytest.raises(ValueError, match=re.escape("batch=32 must be a multiple of micro=5")):
+        bench.main(["check=true", "device=cuda", "micro=5"])
+    with pytest.raises(ValueError, match="is not a torch device name"):
+        bench.main(["check=true", "device=gpu"])

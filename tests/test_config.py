@@ -103,6 +103,14 @@ def test_unknown_keys_are_named_with_a_suggestion():
             "needs model.use_remove_padding=true (or auto)",
         ),
         (
+            {"ulysses_sequence_parallel_size": 2, "model": {"attn_implementation": "flash_attention_2"}},
+            "model.attn_implementation=flash_attention_2 cannot run Ulysses",
+        ),
+        (
+            {"ulysses_sequence_parallel_size": 4, "model": {"attn_implementation": "flash_attention_3"}},
+            "model.attn_implementation=flash_attention_3 cannot run Ulysses",
+        ),
+        (
             {"model": {"use_remove_padding": "yes"}},
             "model.use_remove_padding='yes' is unknown; expected true, false or",
         ),

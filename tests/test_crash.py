@@ -398,7 +398,7 @@ def test_code_in_checkpoint_metadata_is_not_executed(tmp_path, checkpoint):
     (path / ".metadata").write_bytes(evil)
     restamp(path)  # an attacker rewrites the manifest too: the manifest guards against damage, not against intent
     before = state_hash(worker.model, worker.optimizer)
-    with pytest.raises(ValueError, match=r"is not plain DCP checkpoint metadata \(global 'io.open' is not allowed"):
+    with pytest.raises(ValueError, match=r"is not plain DCP checkpoint metadata \(global '_?io.open' is not allowed"):
         load_checkpoint(path, worker.model, worker.optimizer, {})
     assert not marker.exists()
     assert state_hash(worker.model, worker.optimizer) == before

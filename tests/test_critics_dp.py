@@ -273,7 +273,7 @@ def test_batch_is_moved_to_the_module_device(tiny_qwen2, monkeypatch):
     assert moved == [critic.device, critic.device]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cpu_batch_runs_on_a_cuda_critic(tiny_qwen2):
     model = tiny_qwen2().cuda()
     critic = make_critic(model, dtype="float32")

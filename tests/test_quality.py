@@ -12,6 +12,7 @@ from torch import nn
 
 from conftest import exported_values, make_batch, tiny_config
 from ppo_critic import CriticConfig, DataParallelPPOCritic
+from ppo_critic.parallel.mesh import BACKEND_CUDA
 from ppo_critic.worker import CriticWorker, worker_config
 
 LORA = {
@@ -125,14 +126,21 @@ def test_param_offload_on_a_cpu_run_names_the_key():
         CriticWorker(cfg, device="cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP2 CPU offload needs CUDA")
-def test_fsdp2_cpu_offload_trains_on_cuda(monkeypatch):
-    """One-rank NCCL group: parameters (and so optimizer state) live on the CPU, the update still learns."""
+def cuda_group(backend: str) -> None:
+    """A one-rank process group of `backend` on this machine's GPU."""
     import torch.distributed as dist
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29517")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
+@pytest.mark.cuda
+def test_fsdp2_cpu_offload_trains_on_cuda():
+    """One-rank group as ppo-critic starts one (NCCL + gloo for the CPU gradients): parameters (and so optimizer
+    state) live on the CPU, the update still learns."""
+    import torch.distributed as dist
+
+    cuda_group(BACKEND_CUDA)
     try:
         cfg = {**LORA, "strategy": "fsdp2", "model": {"override_config": tiny_config("qwen2")}}
         cfg["model"]["fsdp_config"] = {"param_offload": True, "optimizer_offload": True}
@@ -147,6 +155,21 @@ def test_fsdp2_cpu_offload_trains_on_cuda(monkeypatch):
             first = loss if first is None else first
         assert loss < first
         assert all(s.device.type == "cpu" for st in worker.optimizer.state.values() for s in st.values() if s.dim())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+def test_fsdp2_cpu_offload_under_an_nccl_only_group_is_our_error():
+    """A group someone else started with NCCL alone cannot reduce the CPU gradients: said before anything runs."""
+    import torch.distributed as dist
+
+    cuda_group("nccl")
+    try:
+        cfg = {**LORA, "strategy": "fsdp2", "model": {"override_config": tiny_config("qwen2")}}
+        cfg["model"]["fsdp_config"] = {"param_offload": True}
+        with pytest.raises(ValueError, match="param_offload=true needs a CPU backend in the process group"):
+            CriticWorker(cfg, device="cuda")
     finally:
         dist.destroy_process_group()
 

@@ -3,7 +3,8 @@
 The packed row holds several sequences one after another; `cu_seq_lens_q` (from `PackedBatch.model_kwargs`)
 says where each starts. Attention is computed within each sequence only:
 - CUDA: `flash_attn_varlen_func` when flash-attn is importable, else PyTorch's own
-  `torch.nn.attention.varlen.varlen_attn` (causal through `window_size=(-1, 0)`, native GQA when available);
+  `torch.nn.attention.varlen.varlen_attn` (causal through `window_size=(-1, 0)`, native GQA when available), chosen
+  once at registration (`KERNELS`); q/k/v reach it in one half dtype (`kernel_dtype`);
 - CPU (and other devices): `scaled_dot_product_attention` on buckets of sequences of similar length, each
   right-padded to its longest (short sequences share a call, whose fixed cost dominates them), or one call per
   sequence where a cost model fitted on measurements says so — linear in the pack, unlike a dense block-diagonal mask.
@@ -20,7 +21,9 @@ import inspect
 import itertools
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -77,20 +80,29 @@ def _ulysses_split(q: Tensor, k: Tensor, v: Tensor, group: object) -> tuple[Tens
 def _attend(
     query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scaling, dropout: float, causal: bool, kwargs: dict
 ) -> tuple[Tensor, None]:
-    if query.device.type == "cuda":
-        max_len = int(kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
-        out = _cuda_varlen(
-            query[0].transpose(0, 1),
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            cu_seqlens,
-            max_len,
-            scaling,
-            dropout,
-            causal,
+    kernel = KERNELS.get(query.device.type)
+    if kernel is None:
+        return _cpu_attention(query, key, value, cu_seqlens, scaling, dropout, causal), None
+    max_len = int(kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+    dtype = kernel_dtype(query, key, value)
+    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [nnz, H, D] in one half dtype
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return kernel(q, k, v, cu, max_len, scaling, dropout, causal).unsqueeze(0), None
+
+
+def kernel_dtype(query: Tensor, key: Tensor, value: Tensor) -> torch.dtype:
+    """The one dtype the varlen kernels (fp16 / bf16 only) get: autocast's when it is on, since transformers' RoPE
+    hands q and k back in float32 beside a v in the autocast dtype; else the inputs' half dtype."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    dtype = next((t.dtype for t in (value, query, key) if t.dtype in HALF), None)
+    if dtype is None:
+        raise ValueError(
+            f"the {device} varlen attention kernels take float16 / bfloat16, got {query.dtype}; set "
+            "critic.dtype=bfloat16, or model.use_remove_padding=false to run padded batches"
         )
-        return out.unsqueeze(0), None
-    return _cpu_attention(query, key, value, cu_seqlens, scaling, dropout, causal), None
+    return dtype
 
 
 @torch.compiler.disable  # eager inside compiled layers: the plan is Python from the data, cached across layers
@@ -219,54 +231,70 @@ def bucket_shapes(lengths: list[int], width: int) -> list[tuple[int, int]]:
     return shapes[::-1]
 
 
-def _cuda_varlen(
-    q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float | None, dropout: float, causal: bool
-) -> Tensor:
-    """[nnz, H, D] tensors through flash-attn if installed, else torch's varlen_attn."""
-    flash = _flash_attn_varlen()
-    cu = cu.to(torch.int32)
-    if flash is not None:
-        return flash(q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scale, causal=causal)
-    from torch.nn.attention.varlen import varlen_attn
+# One kernel per device type that has one ([nnz, H, D] q/k/v of one half dtype, int32 cu_seqlens on their device →
+# [nnz, Hq, D]), resolved once by `register()`: never inside traced code, where an import or a signature lookup would
+# break the graph at every attention call. A device type without a kernel runs `_cpu_attention`.
+Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, int, "float | None", float, bool], Tensor]
+KERNELS: dict[str, Kernel] = {}
+HALF = (torch.float16, torch.bfloat16)
 
-    if dropout:
-        raise ValueError("torch varlen_attn has no attention dropout; set the model's attention_dropout to 0")
-    params = _varlen_params()
-    kwargs = {"scale": scale}
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
+
+def flash_kernel(flash_attn_varlen_func: Callable) -> Kernel:
+    """flash-attn's `flash_attn_varlen_func` (GQA and dropout native)."""
+
+    def call(q, k, v, cu, max_len, scale, dropout, causal):
+        return flash_attn_varlen_func(
+            q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scale, causal=causal
+        )
+
+    return call
+
+
+def torch_varlen_kernel(varlen_attn: Callable) -> Kernel:
+    """torch's `varlen_attn`, whichever signature this torch has: causal through `window_size=(-1, 0)` or
+    `is_causal`; GQA through `enable_gqa`, else K/V heads repeated."""
+    params = frozenset(inspect.signature(varlen_attn).parameters)
+
+    def call(q, k, v, cu, max_len, scale, dropout, causal):
+        if dropout:
+            raise ValueError("torch varlen_attn has no attention dropout; set the model's attention_dropout to 0")
+        kwargs: dict[str, Any] = {"scale": scale}
+        if q.shape[1] != k.shape[1] and "enable_gqa" in params:
             kwargs["enable_gqa"] = True
-        else:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
-    elif "is_causal" in params:
-        kwargs["is_causal"] = causal
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+        elif q.shape[1] != k.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        if "window_size" in params:
+            kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+        elif "is_causal" in params:
+            kwargs["is_causal"] = causal
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+    return call
 
 
-@functools.cache
-def _flash_attn_varlen():
+def cuda_kernel() -> Kernel | None:
+    """flash-attn's varlen kernel when it is installed, else torch's `varlen_attn` where this torch has it."""
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
+        pass
+    else:
+        return flash_kernel(flash_attn_varlen_func)
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
         return None
-    return flash_attn_varlen_func
-
-
-@functools.cache
-def _varlen_params() -> frozenset[str]:
     from torch.nn.attention.varlen import varlen_attn
 
-    return frozenset(inspect.signature(varlen_attn).parameters)
+    return torch_varlen_kernel(varlen_attn)
 
 
 @functools.cache
 def register() -> str:
-    """Register `ppo_critic_varlen` with transformers (once); returns its name."""
+    """Register `ppo_critic_varlen` with transformers and resolve the CUDA kernel (once); returns its name."""
     from transformers import AttentionInterface
 
+    kernel = cuda_kernel()
+    if kernel is not None:
+        KERNELS.setdefault("cuda", kernel)
     AttentionInterface.register(VARLEN, varlen_attention)
     return VARLEN
 
@@ -307,14 +335,11 @@ def packed_blocker(model: nn.Module, name: str | None, device: torch.device, dty
         getattr(text, "layer_types", None) or ["sliding_attention"]
     ):
         return f"{VARLEN!r} has no sliding-window attention"
-    if device.type == "cuda" and dtype not in (torch.float16, torch.bfloat16):
-        return f"the CUDA varlen kernels take float16 / bfloat16, not {dtype}"
-    if (
-        device.type == "cuda"
-        and _flash_attn_varlen() is None
-        and importlib.util.find_spec("torch.nn.attention.varlen") is None
-    ):
+    register()
+    if device.type == "cuda" and device.type not in KERNELS:
         return "neither flash-attn nor torch.nn.attention.varlen is available"
+    if device.type in KERNELS and dtype not in HALF:
+        return f"the {device.type} varlen kernels take float16 / bfloat16, not {dtype}"
     return None
 
 
@@ -325,7 +350,8 @@ def _switch_target(model: nn.Module, name: str) -> nn.Module:
             f"model.attn_implementation={name!r} cannot run packed rows; use one of {PACKED_IMPLEMENTATIONS} "
             "or model.use_remove_padding=false"
         )
-    targets = [m for m in model.modules() if hasattr(m, "set_attn_implementation") and hasattr(m, "config")]
+    # the class's own method: FSDP1 / DDP wrappers forward attribute lookups to the model inside
+    targets = [m for m in model.modules() if hasattr(type(m), "set_attn_implementation") and hasattr(m, "config")]
     if not targets:
         raise ValueError(
             f"{type(model).__name__} has no transformers model inside whose attention can be switched to {name!r}; "

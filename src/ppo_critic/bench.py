@@ -12,15 +12,24 @@ peak memory (CUDA: the peak above what was allocated before the calls, i.e. acti
 paths stay resident; CPU: the process's peak RSS), the ratio of each path to the baseline and, when verl paths
 run, to the fastest verl path of each call (`x verl`). `profile=true`
 adds the top operators of one `update_critic` per path (torch.profiler; device time on CUDA).
+
+Paths are isolated: one that fails to build or run (an OOM, a missing package, a kernel error) is reported as a row
+`error: <one line>` (its traceback goes to stderr) and the others go on. `out` is rewritten after every measured round,
+so a run stopped early (bench/gpu/run.sh's time box) leaves the medians of the rounds it finished. `check=true` only
+checks the options (bench/gpu/run.sh --dry-run).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import platform
 import statistics
+import sys
 import time
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -106,53 +115,115 @@ def make_worker(cfg: BenchConfig, path: str) -> Any:
     return cls(critic, device=cfg.device, seed=cfg.seed)
 
 
+KEYS = ("compute_values", "update_critic", "compute_values_mfu", "update_critic_mfu", "peak_gb")
+CALLS = ("compute_values", "update_critic")
+
+
 def run(cfg: BenchConfig) -> dict[str, Any]:
-    """Measure every path; returns the summary that `main` prints and writes."""
+    """Measure every path, each isolated (a failing one becomes an error row); returns what `main` prints and writes
+    (also written to `out` after every measured round)."""
     cfg = cfg.resolved()
     device = resolve_device(cfg.device)
-    workers = {path: make_worker(cfg, path) for path in cfg.path_list()}
     batch = rollouts(cfg.batch, cfg.prompt, cfg.response, cfg.fill, cfg.vocab, cfg.seed)
-    valid = int(batch["attention_mask"].sum())
-    keys = ("compute_values", "update_critic", "compute_values_mfu", "update_critic_mfu", "peak_gb")
-    runs: dict[str, dict[str, list[float]]] = {p: {k: [] for k in keys} for p in workers}
+    errors: dict[str, str] = {}
+    workers = {}
+    for path in cfg.path_list():
+        worker = _isolated(path, "building", lambda p=path: make_worker(cfg, p), errors, device)
+        if path not in errors:
+            workers[path] = worker
+    runs: dict[str, dict[str, list[float]]] = {p: {k: [] for k in KEYS} for p in workers}
+    _write(cfg, _summary(cfg, device, batch, runs, errors, rounds=0))  # the build errors, even if nothing else ends
     for repeat in range(cfg.repeats + 1):  # the first round warms up and is not counted
-        for path, worker in workers.items():
-            held = 0.0
-            if device.type == "cuda":  # every path's weights and optimizer state stay resident: count the increment
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                held = torch.cuda.memory_allocated(device) / 2**30
-            forward = _timed(lambda w=worker: w.compute_values(batch), device)
-            compute_mfu = getattr(worker.critic, "last_compute_metrics", {}).get("perf/compute_values_mfu", 0.0)
-            metrics: dict[str, float] = {}
-            update = _timed(lambda w=worker, m=metrics: m.update(w.update_critic(batch)), device)
-            if repeat:
-                row = runs[path]
-                row["compute_values"].append(valid / forward)
-                row["update_critic"].append(valid / update)
-                row["compute_values_mfu"].append(compute_mfu)
-                row["update_critic_mfu"].append(metrics.get("perf/mfu", 0.0))
-                row["peak_gb"].append(peak_memory_gb(device) - held)
-    profiles = {path: profile(worker, batch, device) for path, worker in workers.items()} if cfg.profile else {}
-    medians = {p: {k: statistics.median(v) for k, v in r.items()} for p, r in runs.items()}
-    calls = ("compute_values", "update_critic")
+        for path, worker in list(workers.items()):
+            stage = "measuring" if repeat else "warming up"
+            sample = _isolated(path, stage, lambda w=worker: _measure(w, batch, device), errors, device)
+            if path in errors:
+                del workers[path], runs[path], worker
+                _release(device)
+            elif repeat:
+                for key, value in sample.items():
+                    runs[path][key].append(value)
+        _write(cfg, _summary(cfg, device, batch, runs, errors, rounds=repeat))
+    profiles, profile_errors = {}, {}
+    for path, worker in workers.items() if cfg.profile else ():
+        ops = _isolated(path, "profiling", lambda w=worker: profile(w, batch, device), profile_errors, device)
+        if path not in profile_errors:
+            profiles[path] = ops
+    summary = _summary(cfg, device, batch, runs, errors, rounds=cfg.repeats)
+    return summary | {"profile": profiles, "profile_errors": profile_errors}
+
+
+def _measure(worker: Any, batch: dict[str, Tensor], device: torch.device) -> dict[str, float]:
+    """One `compute_values` and one `update_critic` call: valid tokens/s, MFU and peak memory of the two."""
+    valid = int(batch["attention_mask"].sum())
+    held = 0.0
+    if device.type == "cuda":  # every path's weights and optimizer state stay resident: count the increment
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated(device) / 2**30
+    forward = _timed(lambda: worker.compute_values(batch), device)
+    compute_mfu = getattr(worker.critic, "last_compute_metrics", {}).get("perf/compute_values_mfu", 0.0)
+    metrics: dict[str, float] = {}
+    update = _timed(lambda: metrics.update(worker.update_critic(batch)), device)
+    return {
+        "compute_values": valid / forward,
+        "update_critic": valid / update,
+        "compute_values_mfu": compute_mfu,
+        "update_critic_mfu": metrics.get("perf/mfu", 0.0),
+        "peak_gb": peak_memory_gb(device) - held,
+    }
+
+
+def _isolated(path: str, stage: str, fn: Callable[[], Any], errors: dict[str, str], device: torch.device) -> Any:
+    """`fn()`, or None with `errors[path]` set to one line (the traceback to stderr) when it raises: one path's
+    failure (an OOM, a missing package, a kernel error) must not cost the other paths' numbers."""
+    try:
+        return fn()
+    except Exception as err:  # any failure of one path is that path's result
+        print(f"ppo-critic bench: path {path} failed while {stage}:", file=sys.stderr)
+        traceback.print_exc()
+        first = (str(err).strip().splitlines() or [""])[0]
+        errors[path] = f"error: {type(err).__name__}: {first[:200]} (while {stage})"
+    _release(device)  # outside the except block: the traceback's frames, and the tensors they hold, are gone
+    return None
+
+
+def _release(device: torch.device) -> None:
+    """Give a failed path's memory back before the next path runs."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _summary(cfg: BenchConfig, device, batch, runs, errors, rounds: int) -> dict[str, Any]:
+    """Medians over the measured rounds, the ratios to the padded baseline and to the fastest verl path."""
+    valid = int(batch["attention_mask"].sum())
+    medians = {p: {k: statistics.median(v) for k, v in r.items()} for p, r in runs.items() if r["update_critic"]}
     base = medians.get("padded")
-    ratios = {p: {k: m[k] / base[k] for k in calls} for p, m in medians.items() if base}
+    ratios = {p: {k: m[k] / base[k] for k in CALLS} for p, m in medians.items() if base}
     verl = [m for p, m in medians.items() if p.split("+")[0] in VERL_PATHS]
-    best_verl = {k: max(m[k] for m in verl) for k in calls} if verl else None
-    vs_verl = {p: {k: m[k] / best_verl[k] for k in calls} for p, m in medians.items() if best_verl}
+    best_verl = {k: max(m[k] for m in verl) for k in CALLS} if verl else None
+    vs_verl = {p: {k: m[k] / best_verl[k] for k in CALLS} for p, m in medians.items() if best_verl}
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "config": dataclasses.asdict(cfg),
         "valid_tokens": valid,
         "fill": valid / batch["attention_mask"].numel(),
+        "rounds": rounds,
         "median": medians,
+        "errors": {p: errors[p] for p in cfg.path_list() if p in errors},
         "vs_padded": ratios,
         "vs_verl": vs_verl,
         "runs": runs,
-        "profile": profiles,
+        "profile": {},
+        "profile_errors": {},
     }
+
+
+def _write(cfg: BenchConfig, summary: dict[str, Any]) -> None:
+    if cfg.out:
+        write_file(cfg.out, json.dumps(summary, indent=1))
 
 
 def profile(worker: Any, batch: dict[str, Tensor], device: torch.device, top: int = 12) -> list[dict[str, Any]]:
@@ -180,7 +251,7 @@ def report(summary: dict[str, Any]) -> str:
     vs_verl = summary.get("vs_verl") or {}
     ratio_columns = {"x padded": summary["vs_padded"], **({"x verl": vs_verl} if vs_verl else {})}
     head = "".join(f" {f'{call} {name}':>16}" for name in ratio_columns for call in ("values", "update"))
-    width = max(18, *(len(p) for p in summary["median"]))
+    width = max(18, *(len(p) for p in [*summary["median"], *(summary.get("errors") or {})]))
     lines = [
         f"{summary['device']}, torch {summary['torch']}, {cfg['dtype']}; {cfg['layers']} layers x {cfg['hidden']}, "
         f"{cfg['batch']} x ({cfg['prompt']} + {cfg['response']}), fill {summary['fill']:.2f}, "
@@ -190,18 +261,28 @@ def report(summary: dict[str, Any]) -> str:
         f"{'path':{width}} {'values tok/s':>13} {'update tok/s':>13} {'values MFU':>11} {'update MFU':>11} "
         f"{'peak GiB':>9}{head}",
     ]
-    for path, m in summary["median"].items():
+    errors = summary.get("errors") or {}
+    no_base = "padded" in errors  # the baseline was asked for and failed: no path has a ratio to it
+    asked = [p.strip() for p in str(cfg.get("paths", "")).split(",") if p.strip()]  # the rows in the order asked
+    rows = [p for p in asked if p in summary["median"] or p in errors]
+    for path in [*rows, *(p for p in [*summary["median"], *errors] if p not in rows)]:
+        if path in errors:
+            lines.append(f"{path:{width}} {errors[path]}")
+            continue
+        m = summary["median"][path]
         verl = path.split("+")[0] in VERL_PATHS  # verl reports no FLOPs
         mfu = ("-", "-") if verl else (f"{m['compute_values_mfu']:.3f}", f"{m['update_critic_mfu']:.3f}")
         ratios = "".join(
-            f" {f'{ratios[path][call]:.2f}x' if path in ratios else '-':>16}"
-            for ratios in ratio_columns.values()
+            f" {_ratio_cell(ratios, path, call, no_base and name == 'x padded'):>16}"
+            for name, ratios in ratio_columns.items()
             for call in ("compute_values", "update_critic")
         )
         lines.append(
             f"{path:{width}} {m['compute_values']:>13.0f} {m['update_critic']:>13.0f} {mfu[0]:>11} {mfu[1]:>11} "
             f"{m['peak_gb']:>9.2f}{ratios}"
         )
+    if no_base:
+        lines.append(f"x padded: none, the padded baseline failed ({errors['padded']})")
     if vs_verl and len(vs_verl) > sum(p.split("+")[0] in VERL_PATHS for p in vs_verl):
         best = {
             call: max((p for p in vs_verl if p.split("+")[0] not in VERL_PATHS), key=lambda p, c=call: vs_verl[p][c])
@@ -214,7 +295,16 @@ def report(summary: dict[str, Any]) -> str:
     for path, ops in summary.get("profile", {}).items():
         top = "; ".join(f"{o['op']} {o['share']:.0%}" for o in ops[:5])
         lines.append(f"top operators of one update, {path}: {top}")
+    for path, error in (summary.get("profile_errors") or {}).items():
+        lines.append(f"top operators of one update, {path}: {error}")
     return "\n".join(lines)
+
+
+def _ratio_cell(ratios: dict[str, dict[str, float]], path: str, call: str, no_base: bool) -> str:
+    """A path's ratio to a reference path; 'no baseline' when the reference failed, '-' when it did not run."""
+    if path in ratios:
+        return f"{ratios[path][call]:.2f}x"
+    return "no baseline" if no_base else "-"
 
 
 def main(overrides: list[str]) -> dict[str, Any]:
@@ -223,12 +313,27 @@ def main(overrides: list[str]) -> dict[str, Any]:
 
 
 def run_and_report(cfg: BenchConfig) -> dict[str, Any]:
-    """Run `cfg`, print the table (and write JSON to `out`)."""
+    """Run `cfg`, print the table (and write JSON to `out`); with `check`, only check the options."""
+    if cfg.check:
+        return check(cfg)
     summary = run(cfg)
     print(report(summary))
-    if cfg.out:
-        write_file(cfg.out, json.dumps(summary, indent=1))
+    _write(cfg, summary)
     return summary
+
+
+def check(cfg: BenchConfig) -> dict[str, Any]:
+    """The options resolved (printed as JSON) without building or measuring anything: where this machine has no
+    CUDA, a CUDA device (cuda, cuda:N, or auto) is checked against the CUDA defaults it would run with."""
+    cuda = None
+    if not torch.cuda.is_available() and cfg.device != "cpu":
+        try:
+            cuda = cfg.device == "auto" or torch.device(cfg.device).type == "cuda"
+        except RuntimeError as err:
+            raise ValueError(f"device={cfg.device!r} is not a torch device name (auto, cpu, cuda or cuda:N)") from err
+    resolved = dataclasses.asdict(cfg.resolved(cuda=cuda))
+    print(json.dumps({"check": "ok", "paths": cfg.path_list(), "resolved": resolved}))
+    return resolved
 
 
 def _timed(fn, device: torch.device) -> float:

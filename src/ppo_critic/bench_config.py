@@ -62,13 +62,18 @@ class BenchConfig:
     seed: int = 0
     """seed of the weights and of the rollouts (the same for every path)"""
     out: str | None = None
-    """also write the report as JSON to this file; null: print it only"""
+    """also write the report as JSON to this file (rewritten after every measured round); null: print it only"""
+    check: bool = False
+    """only check the options and print them resolved, measuring nothing (a machine without CUDA checks cuda/auto
+    against the CUDA defaults)"""
 
-    def resolved(self) -> BenchConfig:
-        """The config with the device defaults filled in (checked)."""
-        from ppo_critic.parallel.mesh import resolve_device  # torch: only once the bench runs
+    def resolved(self, cuda: bool | None = None) -> BenchConfig:
+        """The config with the device defaults filled in (checked); `cuda` overrides what the device resolves to, so
+        that a machine without CUDA can check a command meant for one (`check=true`)."""
+        if cuda is None:
+            from ppo_critic.parallel.mesh import resolve_device  # torch: only once the bench runs
 
-        cuda = resolve_device(self.device).type == "cuda"
+            cuda = resolve_device(self.device).type == "cuda"
         shape = QWEN25_05B if cuda else {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 1024}
         sizes = {"batch": 32, "prompt": 512, "response": 1024, "micro": 8} if cuda else {}
         sizes = sizes or {"batch": 16, "prompt": 256, "response": 512, "micro": 4}

@@ -29,6 +29,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 DTYPES |= {"float16": "float16", "fp16": "float16"}
 VALUE_HEAD_INIT = re.compile(r"^(default|zero|normal:(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?|from_reward_model:.+)$")
 VALUE_HEAD_INIT_HELP = "use 'default', 'zero', 'normal:<std>' or 'from_reward_model:<path>'"
+FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")  # transformers' own varlen attention
 OFFLOAD_KEYS = ("param_offload", "optimizer_offload")  # verl's names under model.fsdp_config
 HEAD_KINDS = ("auto", "token_classification", "generic")
 WARMUP_STYLES = ("constant", "cosine")
@@ -344,6 +345,13 @@ class CriticConfig:
             errors.append(f"model.use_remove_padding={packing!r} is unknown; expected true, false or auto")
         elif self.ulysses_sequence_parallel_size > 1 and packing is False:
             errors.append("ulysses_sequence_parallel_size > 1 needs model.use_remove_padding=true (or auto)")
+        if self.ulysses_sequence_parallel_size > 1 and self.model.attn_implementation in FLASH_ATTENTION:
+            errors.append(
+                f"model.attn_implementation={self.model.attn_implementation} cannot run Ulysses "
+                "(ulysses_sequence_parallel_size > 1): transformers' flash-attention gets this rank's slice of the "
+                "row with the whole row's sequence bounds; leave attn_implementation null (ppo-critic's varlen "
+                "attention, which swaps sequence for head shards first)"
+            )
         if self.strategy == "megatron":
             if self.ulysses_sequence_parallel_size != 1:
                 errors.append(

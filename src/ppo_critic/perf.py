@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import resource
 import sys
 import time
@@ -106,20 +107,27 @@ class ModelShape:
 
 @functools.cache
 def peak_flops(device_type: str, dtype: torch.dtype) -> float:
-    """Measured matmul FLOP/s of this device in `dtype` (best of a few square matmuls; cached per process)."""
-    n, repeats = (8192, 10) if device_type == "cuda" else (512, 3)
-    a = torch.randn(n, n, device=device_type, dtype=dtype)
-    b = torch.randn(n, n, device=device_type, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        if device_type == "cuda":
+    """Measured matmul FLOP/s of the current device in `dtype` (best of a few rounds of square matmuls; cached per
+    process). On CUDA three 4096² operands (96 MiB in bf16), ten matmuls a round between synchronisations; where even
+    that does not fit (the first metrics come after a full update) the peak is NaN, and so is MFU: never an OOM."""
+    cuda = device_type == "cuda"
+    n, per_round = (4096, 10) if cuda else (512, 1)
+    try:
+        a, b = (torch.randn(n, n, device=device_type, dtype=dtype) for _ in range(2))
+        out = torch.empty_like(a)
+    except torch.OutOfMemoryError:
+        return math.nan
+    best = math.inf
+    for _ in range(4):  # the first round warms up
+        if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        a @ b
-        if device_type == "cuda":
+        for _ in range(per_round):
+            torch.matmul(a, b, out=out)
+        if cuda:
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+        best = min(best, (time.perf_counter() - start) / per_round)
+    return 2 * n**3 / max(best, 1e-12)
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -23,10 +23,12 @@ from ppo_critic.batch import Batch
 from ppo_critic.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from ppo_critic.config import CriticConfig, ModelConfig, OptimConfig, per_rank
 from ppo_critic.critics import DataParallelPPOCritic, MegatronPPOCritic
+from ppo_critic.critics.base import compute_dtype
 from ppo_critic.models.compile import compile_decoder_layers
 from ppo_critic.models.hf import build_value_model
+from ppo_critic.parallel.collectives import all_gather_rows
 from ppo_critic.parallel.fsdp import parallelize
-from ppo_critic.parallel.mesh import Groups, init_distributed, parallel_groups, resolve_device
+from ppo_critic.parallel.mesh import Groups, init_distributed, parallel_groups, select_device
 
 
 class CriticWorker:
@@ -42,8 +44,8 @@ class CriticWorker:
         dist_timeout_s: float = 600.0,
     ):
         self.config = worker_config(config)
-        self.device = resolve_device(device)
         init_distributed(dist_timeout_s)  # under torchrun: a rank stuck longer than this in a collective fails
+        self.device = select_device(device)  # after: torchrun's LOCAL_RANK is the current device by then
         self.groups = parallel_groups(self.config.ulysses_sequence_parallel_size)
         self.dp_group, self.dp_size = self.groups.dp_group, self.groups.dp_size
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -59,7 +61,8 @@ class CriticWorker:
         if self.config.model.use_torch_compile:  # before sharding: FSDP2 wraps the compiled layers
             compile_decoder_layers(model)
         offload = bool(self.config.model.fsdp_config.get("param_offload", False))
-        self.model = parallelize(model, self.config.strategy, self.device, cpu_offload=offload)
+        dtype = compute_dtype(self.config, self.device)
+        self.model = parallelize(model, self.config.strategy, self.device, dtype, cpu_offload=offload)
         self.optimizer = _torch_optimizer(_param_groups(self.model, optim), optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.critic = DataParallelPPOCritic(per_rank_config(self.config, self.dp_size), self.model, self.optimizer)
@@ -71,12 +74,8 @@ class CriticWorker:
             return self.critic.compute_values(batch)
         batch = Batch.from_any(batch)
         local = self.critic.compute_values(batch.index(self._shard(len(batch), len(batch))))
-        sizes = [len(rows) for rows in torch.arange(len(batch)).tensor_split(self.dp_size)]
-        padded = local.new_zeros(max(sizes), local.shape[1])  # all_gather wants one shape: pad, then trim
-        padded[: len(local)] = local
-        parts = [torch.empty_like(padded) for _ in range(self.dp_size)]
-        torch.distributed.all_gather(parts, padded.to(self.device), group=self.dp_group)
-        return torch.cat([p[:n].cpu() for p, n in zip(parts, sizes, strict=True)])
+        counts = [len(rows) for rows in torch.arange(len(batch)).tensor_split(self.dp_size)]
+        return all_gather_rows(local, counts, self.dp_group)
 
     def update_critic(self, batch: Any) -> dict[str, float]:
         """One critic update on the global batch; `critic/lr` is the rate it used, then the schedule advances.
@@ -211,14 +210,12 @@ class MegatronCriticWorker(CriticWorker):
     ):
         from megatron.core import parallel_state as ps
 
-        from ppo_critic.critics.base import compute_dtype
         from ppo_critic.models.megatron import Shapes, build_megatron_value_model, check_supported, transformer_config
         from ppo_critic.parallel import megatron as mp
 
         self.config = worker_config(config)
         if self.config.strategy != "megatron":
             raise ValueError(f"MegatronCriticWorker needs strategy=megatron, got {self.config.strategy!r}")
-        self.device = resolve_device(device)
         mcfg, optim = self.config.megatron, self.config.optim
         torch.manual_seed(seed)
         hf_model = model_from_config(self.config.model)  # same seed: same weights on every rank
@@ -229,6 +226,7 @@ class MegatronCriticWorker(CriticWorker):
             mcfg.virtual_pipeline_model_parallel_size,
         )
         mp.initialize(mcfg, dist_timeout_s)
+        self.device = select_device(device)  # after: torchrun's LOCAL_RANK is the current device by then
         self.groups = Groups(
             dp_group=ps.get_data_parallel_group(),
             dp_size=ps.get_data_parallel_world_size(),
@@ -375,12 +373,13 @@ def _zero_step(optimizer: torch.optim.Optimizer) -> None:
 
 @contextlib.contextmanager
 def _megatron_needs_cuda(device: torch.device) -> Iterator[None]:
-    """megatron-core 0.16 puts its gradient buffers and optimizer state on CUDA whatever the device; on a machine
-    without CUDA say so, instead of torch's bare "Torch not compiled with CUDA enabled" from deep inside it."""
+    """megatron-core puts its gradient buffers and optimizer state on CUDA whatever the device; on a machine without
+    CUDA say so, instead of torch's bare "Torch not compiled with CUDA enabled" (a CPU build) or "Found no NVIDIA
+    driver" (a CUDA build) from deep inside it."""
     try:
         yield
     except (AssertionError, RuntimeError) as err:
-        if device.type == "cuda" or "CUDA" not in str(err):
+        if device.type == "cuda" or torch.cuda.is_available():
             raise
         raise ValueError(
             "critic.strategy=megatron needs CUDA GPUs (megatron-core allocates its gradient buffers on CUDA); on "

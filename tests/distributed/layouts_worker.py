@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from cuda_contract import check_collective_devices
 from ppo_critic import DataParallelPPOCritic
 from ppo_critic.parallel.fsdp import parallelize
 from ppo_critic.parallel.mesh import init_distributed
@@ -30,6 +31,7 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main() -> None:
     ref_path, out_path = sys.argv[1], sys.argv[2]
     init_distributed(timeout_s=120)
+    checked = check_collective_devices()
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = torch.load(ref_path, weights_only=False)
     base = ref["model"]
@@ -84,7 +86,7 @@ def main() -> None:
     values_err = (full - ref["values"]).abs().max().item()
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"layouts": results, "values_max_abs": values_err}, f)
+            json.dump({"layouts": results, "values_max_abs": values_err, "collectives_checked": checked}, f)
     dist.destroy_process_group()
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from conftest import make_batch, tiny_config
+from cuda_contract import FSDP_GATHERS
 from ppo_critic import DataParallelPPOCritic, build_value_model
 
 HERE = Path(__file__).resolve().parent
@@ -75,6 +76,9 @@ def test_layout_invariance_at_dp2(tmp_path):
     result = torchrun(str(HERE / "layouts_worker.py"), str(ref), str(out))
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
+    # DESIGN §8: every tensor a collective was handed lay on a device its backend takes (cuda_contract)
+    checked = set(report["collectives_checked"])
+    assert {"all_reduce", "all_gather"} <= checked and FSDP_GATHERS & checked
     layouts = report["layouts"]
     assert len(layouts) == len(MODES) * 4 * (4 * 2 + 2 * 2)  # full: every layout; short, uneven: two each
     assert {r["case"] for r in layouts} == set(CASES)

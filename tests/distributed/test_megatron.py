@@ -128,7 +128,7 @@ def test_cli_trains_resumes_and_exports_with_the_megatron_backend(tmp_path):
     assert config["critic"]["megatron"]["tensor_model_parallel_size"] == 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_megatron_on_cuda_equals_the_data_parallel_critic(tmp_path):
     """TP=1/PP=1 on one GPU (NCCL, fp32): the same values, update and metrics as the data-parallel critic."""
     configs = {mode: cfg | {"dtype": "float32"} for mode, cfg in CONFIGS.items()}

@@ -44,7 +44,9 @@ def test_ulysses_matches_the_single_process_reference(tmp_path, nproc):
     reference(ref)
     result = torchrun(str(HERE / "ulysses_worker.py"), str(ref), str(out), "2", nproc=nproc, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    assert {"all_to_all_single", "all_gather", "all_reduce"} <= set(report["collectives_checked"])  # DESIGN §8
+    rows = report["rows"]
     assert len(rows) == 2 * len(MODES) * (2 * 2 + 1) and any(r["checkpointing"] for r in rows)
     # DESIGN §6: heads split over ranks, the same sums in another order (conftest.FP32_REORDERED)
     bad = [r for r in rows if not (r["rel"] <= 1e-5 and r["values_max_abs"] <= 1e-5)]

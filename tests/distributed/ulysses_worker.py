@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from layouts_worker import full_params
 
+from cuda_contract import check_collective_devices
 from ppo_critic import DataParallelPPOCritic
 from ppo_critic.parallel.fsdp import parallelize
 from ppo_critic.parallel.mesh import init_distributed, parallel_groups
@@ -24,6 +25,7 @@ LAYOUTS = ({"ppo_micro_batch_size_per_gpu": 2}, {"use_dynamic_bsz": True, "ppo_m
 def main() -> None:
     ref_path, out_path, sp = sys.argv[1], sys.argv[2], int(sys.argv[3])
     init_distributed(timeout_s=120)
+    checked = check_collective_devices()
     groups = parallel_groups(sp)
     ref = torch.load(ref_path, weights_only=False)
     batch = {k: v[groups.dp_rank :: groups.dp_size] for k, v in ref["batch"].items()}
@@ -58,7 +60,7 @@ def main() -> None:
                 )
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump(results, f)
+            json.dump({"rows": results, "collectives_checked": checked}, f)
     dist.destroy_process_group()
 
 

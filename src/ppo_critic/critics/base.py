@@ -19,6 +19,8 @@ from ppo_critic.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
 from ppo_critic.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_indices
 from ppo_critic.config import CriticConfig
 from ppo_critic.ema import ParameterEMA
+from ppo_critic.parallel.collectives import all_reduce
+from ppo_critic.parallel.mesh import default_dtype
 from ppo_critic.perf import ModelShape, PhaseTimer, perf_metrics
 from ppo_critic.value_norm import ValueNormalizer
 
@@ -28,9 +30,7 @@ UPDATE_KEYS = (*MODEL_KEYS, "response_mask", *TARGET_KEYS, MULTI_MODAL)
 def compute_dtype(config: CriticConfig, device: torch.device) -> torch.dtype:
     """The autocast dtype: `config.dtype`, else bf16 on CUDA and fp32 elsewhere."""
     name = config.torch_dtype_name
-    if name is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    return default_dtype(device) if name is None else getattr(torch, name)
 
 
 def meta_setting(meta: dict[str, Any], key: str, default: Any, kind: type) -> Any:
@@ -334,13 +334,7 @@ class PPOCriticBase:
 
     def _all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
         """`op` (sum, max or min) of `x` over the data-parallel ranks; `x` itself in a single process."""
-        if self.dp_size == 1:
-            return x
-        import torch.distributed as dist
-
-        x = x.clone()
-        dist.all_reduce(x, op=getattr(dist.ReduceOp, op.upper()), group=self.dp_group)
-        return x
+        return x if self.dp_size == 1 else all_reduce(x, op, self.dp_group)
 
     def _micro_batches(self, batch: Batch, dynamic: bool, size: int, max_token_len: int) -> list[list[int]]:
         """Row groups of the micro-batches; every DP rank gets the same number (empty groups pad the count)."""

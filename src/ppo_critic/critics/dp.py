@@ -69,13 +69,21 @@ class DataParallelPPOCritic(PPOCriticBase):
         """`model.use_remove_padding` resolved: auto packs unless the model cannot run packed rows (attention that
         cannot be switched, eager, sliding windows, float32 compute on CUDA); always under Ulysses, which needs them."""
         setting = self.config.model.use_remove_padding
-        if setting != "auto" or self.sp_size > 1:
-            return bool(setting)
+        if setting is False and self.sp_size == 1:
+            return False
         name = self.config.model.attn_implementation
         blocker = packed_blocker(self.critic_module, name, self.device, self.compute_dtype)
+        if setting == "auto" and self.sp_size == 1:
+            if blocker:
+                log.debug("model.use_remove_padding=auto: padded batches, since %s", blocker)
+            return blocker is None
         if blocker:
-            log.debug("model.use_remove_padding=auto: padded batches, since %s", blocker)
-        return blocker is None
+            why = "ulysses_sequence_parallel_size > 1 needs packed rows" if self.sp_size > 1 else "it is set to true"
+            raise ValueError(
+                f"model.use_remove_padding: cannot run packed rows ({why}): {blocker}; fix that, or set "
+                "model.use_remove_padding=auto (packs where it can)"
+            )
+        return True
 
     def _values(self, batch: Batch, groups: list[list[int]]) -> Tensor:
         outputs = [self._forward_micro_batch(batch.index(g or [0])) for g in groups]  # [] keeps ranks in step

@@ -11,6 +11,7 @@ stage and are broadcast over the pipeline group.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from ppo_critic.config import CriticConfig
 from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics
 from ppo_critic.ema import ParameterEMA
 from ppo_critic.packing import CompactBatch, compact
+from ppo_critic.parallel.collectives import broadcast_
 from ppo_critic.parallel.megatron import unwrap
 from ppo_critic.perf import ModelShape
 from ppo_critic.value_norm import ValueNormalizer
@@ -124,7 +126,7 @@ class MegatronPPOCritic(PPOCriticBase):
             kept = [(o["values"], g) for o, g in zip(outputs, groups, strict=True) if g]
             values = restore_order([o for o, _ in kept], [g for _, g in kept])
         if self.pp_size > 1:
-            torch.distributed.broadcast(values, self.last_stage_rank, group=self.pp_group)
+            broadcast_(values, self.last_stage_rank, group=self.pp_group)
         self._release_cache()
         return values
 
@@ -155,7 +157,7 @@ class MegatronPPOCritic(PPOCriticBase):
         """As for every critic, but the loss exists on the last pipeline stage only."""
         step_loss = step_loss.detach().double().reshape(1)
         if self.pp_size > 1:
-            torch.distributed.broadcast(step_loss, self.last_stage_rank, group=self.pp_group)
+            broadcast_(step_loss, self.last_stage_rank, group=self.pp_group)
         return super()._loss_is_finite(step_loss)
 
     def _clip_and_step(self, loss_is_finite: bool) -> Tensor:
@@ -166,13 +168,12 @@ class MegatronPPOCritic(PPOCriticBase):
         clip = self.config.grad_clip
         norm = optimizer.clip_grad_norm(clip) if clip else optimizer.get_grad_norm()
         norm = float("inf") if found_inf else float(norm) if loss_is_finite else float("nan")
-        norm = torch.tensor(norm, dtype=torch.float64, device=self.device)
-        if torch.isfinite(norm):
+        if math.isfinite(norm):  # a Python float already (megatron reduces the norm): no device round trip
             optimizer.step_with_ready_grads()
             if self.ema is not None:
                 self.ema.update()
         optimizer.zero_grad()
-        return norm
+        return torch.tensor(norm, dtype=torch.float64, device=self.device)
 
     def _run(
         self, batch: Batch, groups: list[list[int]], forward_only: bool, fn: MicroBatchFn
@@ -188,7 +189,8 @@ class MegatronPPOCritic(PPOCriticBase):
         undo = 1 if self.tf_config.calculate_per_token_loss else len(micros) * self.dp_size
 
         rows = max(len(m) for m, _ in micros)
-        longest = max(int(m["attention_mask"].sum(-1).max()) for m, _ in micros)
+        lengths = batch["attention_mask"].sum(-1).tolist()  # one device sync for all micro-batches
+        longest = max(lengths[i] for g in groups for i in g or [0])
 
         def loss_func(micro: Batch, keep: bool, c: CompactBatch, output: Tensor):
             output = output[: len(micro), : c.input_ids.shape[1]]  # drop the padding to the common shape

@@ -28,7 +28,7 @@ from ppo_critic.batching import check_token_budget
 from ppo_critic.checkpoint import delete_checkpoint, latest_checkpoint
 from ppo_critic.config import CriticConfig
 from ppo_critic.integrations.options import with_options
-from ppo_critic.parallel.mesh import parallel_groups, resolve_device
+from ppo_critic.parallel.mesh import parallel_groups, select_device
 from ppo_critic.verl_config import to_mapping
 from ppo_critic.worker import CriticWorker, worker_config
 
@@ -92,12 +92,12 @@ class PPOCriticEngine(BaseEngine):
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.config = engine_critic_config(model_config, engine_config, optimizer_config)
-        self.device = resolve_device("auto")
+        self.device = select_device("auto")
         # verl's worker asks for the data-parallel rank before `initialize`: the groups exist from here on
         self.groups = parallel_groups(self.config.ulysses_sequence_parallel_size)
         self.worker: CriticWorker | None = None
         self.mode: str | None = None
-        self._loss_is_finite = True
+        self._finite: list[Tensor] = []  # per micro-batch of this step, on the device: read once, at the step
         self._saved: list[Path] = []
 
     def initialize(self) -> None:
@@ -141,11 +141,12 @@ class PPOCriticEngine(BaseEngine):
 
     def optimizer_zero_grad(self) -> None:
         self._critic.critic_optimizer.zero_grad(set_to_none=True)
-        self._loss_is_finite = True
+        self._finite = []
 
     def optimizer_step(self) -> float:
         """Clip, then step — or skip when the gradient norm or a micro-batch loss was not finite (NaN returned)."""
-        finite = bool(self._critic._all_reduce(torch.tensor(float(self._loss_is_finite), device=self.device), "min"))
+        local = torch.stack(self._finite).all() if self._finite else torch.tensor(True)
+        finite = bool(self._critic._all_reduce(local.to(self.device, torch.float64), "min"))
         return float(self._critic.apply_gradients(finite))
 
     def lr_scheduler_step(self) -> float:
@@ -168,9 +169,10 @@ class PPOCriticEngine(BaseEngine):
             check_token_budget(batch["attention_mask"].sum(-1), budget)
         if loss_function is not None:
             self._assign_denominators(data)
+            data = data.to(self.device)  # verl's loss reads it beside the values: both on the critic's device
         groups = critic._micro_batches(batch, dynamic, int(micro), int(budget))
         rows_out: dict[int, Tensor] = {}
-        losses: list[float] = []
+        losses: list[Tensor] = []
         metrics: dict[str, Any] = {}
         for rows in groups:
             real = bool(rows)
@@ -183,19 +185,19 @@ class PPOCriticEngine(BaseEngine):
                     model_output={"values": values}, data=micro_data, dp_group=self.get_data_parallel_group()
                 )
                 loss = loss if real else loss * 0
-                self._loss_is_finite &= bool(torch.isfinite(loss.detach()))
+                self._finite.append(torch.isfinite(loss.detach()))
                 if train:
                     with critic.sequence_parallel():  # checkpointed layers recompute their all-to-alls
                         loss.backward()
                 if real:
-                    losses.append(float(loss.detach()))
+                    losses.append(loss.detach())
                     append_to_dict(metrics, micro_metrics)  # verl's collection: a Metric gathers its values
             if real:
                 rows_out.update(zip(rows, values.detach().unbind(), strict=True))
         ordered = [rows_out[i] for i in range(len(batch))]
         return {
             "model_output": {"values": torch.nested.as_nested_tensor(ordered, layout=torch.jagged)},
-            "loss": losses,
+            "loss": torch.stack(losses).tolist() if losses else [],  # one device sync for the mini-batch
             "metrics": metrics,
         }
 

@@ -242,7 +242,7 @@ def hf_to_megatron(
     out: dict[str, Tensor] = {}
     if pre:
         emb = hf["model.embed_tokens.weight"]
-        padded = torch.zeros(s.padded_vocab(tp_size), emb.shape[1], dtype=emb.dtype)
+        padded = torch.zeros(s.padded_vocab(tp_size), emb.shape[1], dtype=emb.dtype, device=emb.device)
         padded[: emb.shape[0]] = emb
         out["embedding.word_embeddings.weight"] = padded.chunk(tp_size)[tp_rank]
     for local, layer in enumerate(layers):

@@ -10,21 +10,25 @@ import torch
 from torch import Tensor, nn
 
 from ppo_critic.config import STRATEGIES
+from ppo_critic.models.hf import ValueHead, find_value_head
+from ppo_critic.parallel.collectives import all_reduce_, served_device_types
+from ppo_critic.parallel.mesh import BACKEND_CUDA, default_dtype
 
 
 def parallelize(
     model: nn.Module,
     strategy: str,
     device: torch.device,
-    mixed_precision: bool | None = None,
+    param_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
 ) -> nn.Module:
     """Wrap `model` for data parallelism over the default process group (a no-op without one, or for `none`).
 
-    `mixed_precision` (default: on CUDA) keeps bf16 parameters in compute with fp32 gradient reduction (FSDP2).
-    `cpu_offload` (FSDP2 on CUDA only): FSDP2's `CPUOffloadPolicy` keeps the parameter shards, their gradients
-    and so the optimizer state in (pinned) CPU memory, copies each layer to the GPU for its forward/backward,
-    and runs the optimizer step on the CPU.
+    `param_dtype` is the compute dtype (default: `mesh.default_dtype`, as the critic's): FSDP2 gathers the parameters
+    in it for the forward and backward and reduces gradients in float32; a value head of a dtype of its own
+    (`model.value_head_dtype`) keeps it. `cpu_offload` (FSDP2 on CUDA only): FSDP2's `CPUOffloadPolicy` keeps the
+    parameter shards, their gradients and so the optimizer state in (pinned) CPU memory, copies each layer to the
+    GPU for its forward/backward, and runs the optimizer step on the CPU; the process group needs a CPU backend.
     """
     import torch.distributed as dist
 
@@ -36,6 +40,8 @@ def parallelize(
             f"CPUOffloadPolicy); this run has strategy={strategy}, device={device.type}, "
             f"process group={'yes' if dist.is_initialized() else 'no'}; set param_offload=false"
         )
+    if cpu_offload:
+        check_cpu_backend()
     if strategy == "none" or not dist.is_initialized():
         return model  # under DP the critic averages the gradients itself (average_plain_gradients)
     if strategy == "ddp":
@@ -44,7 +50,7 @@ def parallelize(
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if strategy == "fsdp":
         return _apply_fsdp1(model, device)
-    return _apply_fsdp2(model, device.type == "cuda" if mixed_precision is None else mixed_precision, cpu_offload)
+    return _apply_fsdp2(model, param_dtype or default_dtype(device), cpu_offload)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -57,24 +63,50 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-def _apply_fsdp2(model: nn.Module, mixed_precision: bool, cpu_offload: bool = False) -> nn.Module:
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+def check_cpu_backend() -> None:
+    """CPU offload reduces CPU gradients (the norm's DTensor all-reduce): the default group needs a CPU backend."""
+    if "cpu" not in served_device_types():
+        raise ValueError(
+            "critic.model.fsdp_config.param_offload=true needs a CPU backend in the process group (it reduces CPU "
+            f"gradients), but the group was initialised with backend={torch.distributed.get_backend()!r}; "
+            f"initialise it with backend={BACKEND_CUDA!r} (ppo-critic does under torchrun), or set param_offload=false"
+        )
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
-    kwargs: dict = {"mp_policy": policy} if policy is not None else {}
-    if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+
+def _apply_fsdp2(model: nn.Module, param_dtype: torch.dtype, cpu_offload: bool = False) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kwargs: dict = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
+    policy = _mixed_precision(param_dtype)
     for layer in _decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    model.register_forward_hook(_outputs_not_views)  # before fully_shard's own hook, which then sees copies
-    fully_shard(model, **kwargs)
+        fully_shard(layer, mp_policy=policy, **kwargs)
+    parent, name = find_value_head(model)
+    head = getattr(parent, name)
+    if isinstance(head, ValueHead) and head.weight.dtype != param_dtype:  # its own dtype: its own policy
+        _shard(head, _mixed_precision(head.weight.dtype), kwargs)
+    _shard(model, policy, kwargs)
     return model
+
+
+def _shard(module: nn.Module, policy, kwargs: dict) -> None:
+    """`fully_shard` of a module whose outputs the caller sees (the root, an own-dtype head): no views returned."""
+    from torch.distributed.fsdp import fully_shard
+
+    module.register_forward_hook(_outputs_not_views)  # before fully_shard's own hook, which then sees copies
+    fully_shard(module, mp_policy=policy, **kwargs)
+
+
+def _mixed_precision(param_dtype: torch.dtype):
+    """FSDP2's policy: parameters gathered in `param_dtype`, gradients reduced in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
 def _outputs_not_views(module: nn.Module, args: object, output: object) -> object:
     """A `Linear(hidden, 1)` head returns its [B, T, 1] logits as a view of a 2-D matmul, and FSDP2 warns that an
     in-place op on a view would drop its pre-backward hook. Nothing here changes logits in place, but a copy of
-    B×T numbers costs nothing and keeps the root's outputs safe (and the log free of the warning)."""
+    B×T numbers costs nothing and keeps the outputs safe (and the log free of the warning)."""
     if isinstance(output, Tensor):
         return output.clone() if output._base is not None else output
     if isinstance(output, dict):  # transformers' ModelOutput
@@ -107,13 +139,11 @@ def average_plain_gradients(model: nn.Module, size: int) -> None:
 
     if size == 1 or isinstance(model, DistributedDataParallel | FullyShardedDataParallel):
         return
-    import torch.distributed as dist
-
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if any(hasattr(g, "full_tensor") for g in grads):  # FSDP2: DTensor gradients are already reduced
         return
     for grad in grads:
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        all_reduce_(grad)
         grad.div_(size)
 
 

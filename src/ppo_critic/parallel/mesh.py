@@ -6,22 +6,42 @@ from dataclasses import dataclass
 
 import torch
 
+BACKEND_CUDA = "cpu:gloo,cuda:nccl"  # torch.distributed's backend of a CUDA job (as torchtitan's with offload, verl's)
+
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """`auto` → `cuda` when available, else `cpu`; anything else is checked and returned as a device."""
+    """`auto` → the current CUDA device when there is one, else `cpu`; `cuda` → the current CUDA device; anything
+    else is checked and returned as a device."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError as err:
         raise ValueError(f"device={name!r} is not a torch device name (use auto, cpu, cuda or cuda:N)") from err
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} was asked for but CUDA is not available here; use device=auto or cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The compute dtype when none is configured: bf16 on CUDA (as verl), float32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def select_device(name: str = "auto") -> torch.device:
+    """`resolve_device`, made the current CUDA device: CUDA events, synchronisation, memory statistics, the
+    peak-FLOPs probe and NCCL then all use it. Call it after `init_distributed`, which makes LOCAL_RANK's current."""
+    device = resolve_device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     return device
 
 
 def init_distributed(timeout_s: float = 600.0) -> bool:
-    """Join torchrun's process group when launched by it (nccl on CUDA, gloo on CPU); False when single-process."""
+    """Join torchrun's process group when launched by it; False when single-process. On CUDA the group has NCCL for
+    CUDA tensors and gloo for CPU ones (FSDP2's CPU offload reduces CPU gradients); on CPU gloo alone."""
     import datetime
     import os
 
@@ -34,7 +54,7 @@ def init_distributed(timeout_s: float = 600.0) -> bool:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(BACKEND_CUDA if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return True
 
 

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ppo_critic.parallel.collectives import all_gather, all_to_all
+
 _GROUP: list[object] = []  # the active sp group (a stack, so nesting is harmless)
 
 
@@ -36,11 +38,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: object, scatter_dim: int, gather_dim: int) -> Tensor:
         ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
-        size = dist.get_world_size(group)
-        inputs = [t.contiguous() for t in x.chunk(size, dim=scatter_dim)]
-        outputs = [torch.empty_like(t) for t in inputs]
-        dist.all_to_all(outputs, inputs, group=group)
-        return torch.cat(outputs, dim=gather_dim)
+        return torch.cat(all_to_all(list(x.chunk(dist.get_world_size(group), dim=scatter_dim)), group), dim=gather_dim)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -64,9 +62,7 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: object) -> Tensor:
         ctx.group, ctx.local = group, x.shape[1]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
+        return torch.cat(all_gather(x, group), dim=1)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

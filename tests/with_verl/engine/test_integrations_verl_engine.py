@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine_helpers import SGD, critic_config, engine_params, infer_values, reference, train, training_worker
 from verl.utils.metric import reduce_metrics
+from verl.workers.utils.losses import value_loss
 from verl_shared import MODES, rel_change, rollout
 
 from ppo_critic.integrations.options import OPTIONS_ENV
@@ -156,3 +157,31 @@ def test_keeps_the_newest_checkpoints_it_wrote(single_process, model_dir, tmp_pa
         worker.save_checkpoint(str(tmp_path / f"global_step_{step}" / "critic"), global_step=step, max_ckpt_to_keep=2)
     kept = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("global_step_*/critic/step_*"))
     assert kept == ["global_step_2/critic/step_00000002", "global_step_3/critic/step_00000003"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_on_cuda_verls_loss_gets_the_micro_batch_on_the_values_device(single_process, model_dir, packed):
+    """verl's value_loss reads the micro-batch's returns and masks beside the engine's values: on a GPU both must be
+    CUDA tensors (verl's own engine moves each micro-batch to the device first), and the update matches ppo-critic's
+    own float32 critic to bf16 precision."""
+    data = rollout(8, seed=1)
+    settings = {**SGD, "model.use_remove_padding": packed}
+    worker = training_worker(model_dir, **settings)
+    assert worker.engine.device.type == "cuda"
+    devices = set()
+
+    def checked_loss(model_output, data, dp_group=None):
+        devices.update(t.device for t in (model_output["values"], *data.values()) if isinstance(t, torch.Tensor))
+        config = critic_config(model_dir, **settings)
+        return value_loss(config=config, model_output=model_output, data=data, dp_group=dp_group)
+
+    worker.set_loss_fn(checked_loss)
+    expected = reference(model_dir, data, mini_batch_size=8)
+    # bf16 autocast on the GPU against float32 on the CPU: a few bf16 ulps (2**-9) of values of magnitude < 0.5
+    torch.testing.assert_close(infer_values(worker, data).cpu(), expected["values"], rtol=0, atol=2e-2)
+    metrics = train(worker, data, mini_batch_size=8)
+    assert devices == {worker.engine.device} and all(torch.isfinite(torch.tensor(metrics["grad_norm"])))
+    # bf16 gradients against float32 ones: each a few bf16 roundings (2**-8 relative) off; 5 % of the whole update
+    # leaves room for cancellation, while a wrong mask or denominator is off by 100 % (a bound to measure on the GPU)
+    assert rel_change(engine_params(worker), expected["after"], expected["before"]) <= 0.05

@@ -25,6 +25,7 @@ def test_dp2_and_ulysses2_equal_one_process(single_process, model_dir, tmp_path)
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert run.returncode == 0, run.stderr[-5000:]
     results = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert {"all_reduce", "all_gather", "all_to_all_single"} <= set(results.pop("collectives_checked"))  # DESIGN §8
     # DP=2: a mini-batch of 8 is rank 0's next 4 rows (of 0..7) and rank 1's (of 8..15)
     dp_order = [*range(0, 4), *range(8, 12), *range(4, 8), *range(12, 16)]
     expected = {

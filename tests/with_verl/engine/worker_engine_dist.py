@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from engine_helpers import SGD, engine_params, infer_values, train, training_worker
 
+from cuda_contract import check_collective_devices
+
 LAYOUTS = {  # name: (critic settings, whether each rank takes its chunk)
     "dp2": ({}, True),
     "dp1sp2": ({"fsdp.ulysses_sequence_parallel_size": 2, "model.use_remove_padding": True}, False),
@@ -34,6 +36,7 @@ def values_of_all(worker, data, chunked: bool) -> torch.Tensor:
 def main() -> None:
     model_dir, batch_path, out_path = sys.argv[1:4]
     torch.distributed.init_process_group("gloo")  # verl's own initialisation asks for cpu:gloo twice on a CPU
+    checked = check_collective_devices()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     batch = torch.load(batch_path, weights_only=False)
     results = {}
@@ -51,7 +54,7 @@ def main() -> None:
         out["values_loaded"] = values_of_all(fresh, data, chunked)
         results[name] = out
     if rank == 0:
-        torch.save(results, out_path)
+        torch.save(results | {"collectives_checked": dict(checked)}, out_path)
     torch.distributed.destroy_process_group()
 
 

@@ -1,0 +1,188 @@
+"""Test-only stand-ins for CUDA-only kernels that enforce their documented input contracts on the CPU, so that CPU
+tests run our CUDA dispatch branch itself (DESIGN §8). Never imported by the library.
+
+`check_collective_devices()` holds every tensor a torch.distributed collective is handed, inputs and outputs, to
+the devices its group's backend takes (NCCL: CUDA only), all on one device.
+
+The varlen attention kernels (flash-attn's `flash_attn_varlen_func`, torch's `torch.nn.attention.varlen.varlen_attn`)
+take q [T, Hq, D] and k/v [T, Hkv, D] of one dtype, float16 or bfloat16, with a contiguous last dimension; int32
+`cu_seqlens` [N + 1] on q's device, 0 first and T last; Python-int maximum lengths that bound every sequence; GQA
+only when Hkv divides Hq (torch's kernel: only with `enable_gqa=True`). They return [T, Hq, D] in q's dtype.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from ppo_critic.parallel.collectives import served_device_types
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+class ContractError(AssertionError):
+    """An input the real kernel would refuse (or misread)."""
+
+
+def check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q, max_k, gqa: bool) -> None:
+    """Raise `ContractError` for any input the CUDA varlen kernels do not accept."""
+    dtypes = {t.dtype for t in (q, k, v)}
+    if len(dtypes) != 1 or not dtypes <= set(HALF):
+        raise ContractError(f"q/k/v must share one dtype, float16 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if any(t.dim() != 3 for t in (q, k, v)) or k.shape != v.shape or q.shape[::2] != k.shape[::2]:
+        raise ContractError(f"layout must be [T, H, D]; got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ContractError("q/k/v need a contiguous last dimension")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % hkv or (hq != hkv and not gqa):
+        raise ContractError(f"{hq} query heads and {hkv} key/value heads: GQA not allowed here")
+    for cu, longest in ((cu_q, max_q), (cu_k, max_k)):
+        _check_cu_seqlens(cu, longest, q)
+
+
+def _check_cu_seqlens(cu: Tensor, longest, q: Tensor) -> None:
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.device != q.device:
+        raise ContractError(f"cu_seqlens must be 1-D int32 on {q.device}; got {cu.dtype} {list(cu.shape)} {cu.device}")
+    if int(cu[0]) != 0 or int(cu[-1]) != q.shape[0] or bool((cu.diff() < 0).any()):
+        raise ContractError(f"cu_seqlens {cu.tolist()} must rise from 0 to T={q.shape[0]}")
+    if type(longest) is not int or longest < int(cu.diff().max()):
+        raise ContractError(f"max length {longest!r} must be a Python int >= every sequence length")
+
+
+def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, scale: float | None, causal: bool) -> Tensor:
+    """Attention within each sequence in float32 (sdpa per sequence), returned in q's dtype."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    bounds = cu.tolist()
+    outs = [
+        F.scaled_dot_product_attention(
+            *(t[s:e].transpose(0, 1).float() for t in (q, k, v)), is_causal=causal, scale=scale
+        ).transpose(0, 1)
+        for s, e in itertools.pairwise(bounds)
+        if e > s
+    ]
+    return torch.cat(outs).to(q.dtype) if outs else q.clone()
+
+
+class Calls:
+    """Records every kernel call's dtype, so a test can tell that the kernel branch ran."""
+
+    def __init__(self):
+        self.dtypes: list[torch.dtype] = []
+
+
+def torch_varlen_attn(calls: Calls, *, legacy: bool = False):
+    """A stand-in for torch's `varlen_attn`: causal by `window_size`, GQA by `enable_gqa` (torch 2.13), or with
+    `legacy` the older signature, causal by `is_causal` and no GQA."""
+
+    def check_and_run(q, k, v, cu_q, cu_k, max_q, max_k, scale, gqa, causal):
+        check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k, gqa)
+        calls.dtypes.append(q.dtype)
+        return reference_varlen(q, k, v, cu_q, scale, causal)
+
+    if not legacy:
+
+        def varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+        ):
+            if tuple(window_size) not in ((-1, -1), (-1, 0)):
+                raise ContractError(f"window_size {window_size} is a sliding window")
+            causal = tuple(window_size) == (-1, 0)
+            return check_and_run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, enable_gqa, causal)
+
+        return varlen_attn
+
+    def varlen_attn_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, *, scale=None):
+        return check_and_run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, False, is_causal)
+
+    return varlen_attn_old
+
+
+def flash_attn_varlen_func(calls: Calls):
+    """A stand-in for flash-attn's `flash_attn_varlen_func` (GQA native, dropout as a float)."""
+
+    def flash(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False
+    ):
+        check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, gqa=True)
+        if not isinstance(dropout_p, float):
+            raise ContractError(f"dropout_p must be a float, got {dropout_p!r}")
+        calls.dtypes.append(q.dtype)
+        return reference_varlen(q, k, v, cu_seqlens_q, softmax_scale, causal)
+
+    return flash
+
+
+@torch.library.custom_op("ppo_critic_test::varlen_attn", mutates_args=())
+def varlen_attn_op(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, causal: bool) -> Tensor:
+    """The stand-in as an opaque operator, as torch's `varlen_attn` is one: what torch.compile sees of a kernel."""
+    check_varlen_inputs(q, k, v, cu, cu, max_len, max_len, gqa=True)
+    return reference_varlen(q, k, v, cu, None, causal)
+
+
+@varlen_attn_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, causal: bool) -> Tensor:
+    return torch.empty_like(q)
+
+
+def opaque_kernel(q, k, v, cu, max_len, scale, dropout, causal):
+    """A kernel for `attention.KERNELS` made of the opaque operator (no scale, no dropout)."""
+    return varlen_attn_op(q, k, v, cu, max_len, causal)
+
+
+WATCHED = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",  # FSDP's up to torch 2.12
+    "all_gather_single",  # FSDP's from torch 2.13
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+)
+FSDP_GATHERS = {"all_gather_into_tensor", "all_gather_single"}
+
+
+def check_collective_devices() -> collections.Counter:
+    """From now on in this process, a torch.distributed collective handed a tensor on a device its group's backend
+    does not take, or tensors on two devices, raises `ContractError`; returns the count of checked calls by name
+    (so a test can tell the check ran). Collectives called through `torch.distributed`'s module attributes are
+    seen: ours, FSDP's and DDP's Python side."""
+    counts: collections.Counter = collections.Counter()
+    for name in WATCHED:
+        if hasattr(dist, name):
+            setattr(dist, name, _checked(getattr(dist, name), name, counts))
+    return counts
+
+
+def _checked(collective, name: str, counts: collections.Counter):
+    signature = inspect.signature(collective)
+
+    @functools.wraps(collective)
+    def call(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        tensors = [t for value in bound.arguments.values() for t in _tensors(value)]
+        served = served_device_types(bound.arguments.get("group"))
+        devices = {t.device for t in tensors}
+        if len(devices) > 1 or any(d.type not in served for d in devices):
+            raise ContractError(f"{name} was handed tensors on {sorted(map(str, devices))}; its backend takes {served}")
+        counts[name] += 1
+        return collective(*args, **kwargs)
+
+    return call
+
+
+def _tensors(value) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item)]
+    return []
