@@ -75,3 +75,27 @@ def test_fsdp2_on_cuda_computes_in_the_configured_dtype(one_process_group, dtype
     model = {"override_config": tiny_config("qwen2"), "value_head_dtype": "float32"}
     worker = CriticWorker({"strategy": "fsdp2", "ppo_mini_batch_size": 4, "dtype": dtype, "model": model})
     assert dtypes_in_forward(worker) == {"layer": layer, "head": torch.float32}
+
+
+@pytest.fixture
+def one_process_cuda_group():
+    """A one-rank group as ppo-critic starts one under torchrun on CUDA (NCCL, gloo for CPU tensors)."""
+    from ppo_critic.parallel.mesh import BACKEND_CUDA
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group(BACKEND_CUDA, store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp2", "none"])
+def test_every_strategy_updates_on_cuda_under_nccl(one_process_cuda_group, strategy):
+    """DDP's device_ids, FSDP1's device_id and sync_module_states, FSDP2's policy, and every collective of the update
+    and of compute_values (on NCCL: CUDA buffers only) on a real GPU."""
+    model = {"override_config": tiny_config("qwen2")}
+    worker = CriticWorker({"strategy": strategy, "ppo_mini_batch_size": 4, "model": model})
+    batch = make_batch(4, 5, 4)
+    batch["values"] = worker.compute_values(batch)
+    metrics = worker.update_critic(batch)
+    assert metrics["critic/skipped_steps"] == 0 and metrics["perf/tokens_per_s"] > 0
