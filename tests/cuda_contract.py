@@ -151,15 +151,15 @@ WATCHED = (
 FSDP_GATHERS = {"all_gather_into_tensor", "all_gather_single"}
 
 
-def check_collective_devices() -> collections.Counter:
-    """From now on in this process, a torch.distributed collective handed a tensor on a device its group's backend
-    does not take, or tensors on two devices, raises `ContractError`; returns the count of checked calls by name
-    (so a test can tell the check ran). Collectives called through `torch.distributed`'s module attributes are
-    seen: ours, FSDP's and DDP's Python side."""
+def check_collective_devices(monkeypatch=None) -> collections.Counter:
+    """From now on in this process (in this test, given pytest's `monkeypatch`), a torch.distributed collective
+    handed a tensor on a device its group's backend does not take, or tensors on two devices, raises `ContractError`;
+    returns the count of checked calls by name (so a test can tell the check ran). Collectives called through
+    `torch.distributed`'s module attributes are seen: ours, FSDP's and DDP's Python side."""
     counts: collections.Counter = collections.Counter()
-    for name in WATCHED:
-        if hasattr(dist, name):
-            setattr(dist, name, _checked(getattr(dist, name), name, counts))
+    patch = setattr if monkeypatch is None else monkeypatch.setattr
+    for name in (n for n in WATCHED if hasattr(dist, n)):
+        patch(dist, name, _checked(getattr(dist, name), name, counts))
     return counts
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cuda_contract import WATCHED, ContractError, check_collective_devices
+from cuda_contract import ContractError, check_collective_devices
 from ppo_critic.parallel import collectives
 from ppo_critic.parallel.collectives import (
     all_gather_rows,
@@ -151,12 +151,10 @@ def test_cpu_tensors_meet_an_nccl_group_on_cuda_and_come_back_on_the_cpu():
 
 def test_the_collective_device_check_refuses_a_tensor_its_backend_does_not_take(monkeypatch):
     """tests/cuda_contract.check_collective_devices, which the distributed tests install in every rank."""
-    for name in (n for n in WATCHED if hasattr(dist, n)):
-        monkeypatch.setattr(dist, name, getattr(dist, name))  # restored after the test
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        checked = check_collective_devices()
+        checked = check_collective_devices(monkeypatch)
         all_reduce(torch.ones(2))
         assert checked == {"all_reduce": 1}
         with pytest.raises(ContractError, match=r"all_gather was handed tensors on \['cpu', 'meta'\]"):

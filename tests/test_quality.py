@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from conftest import exported_values, make_batch, tiny_config
+from cuda_contract import check_collective_devices
 from ppo_critic import CriticConfig, DataParallelPPOCritic
 from ppo_critic.parallel.mesh import BACKEND_CUDA
 from ppo_critic.worker import CriticWorker, worker_config
@@ -135,13 +136,14 @@ def cuda_group(backend: str) -> None:
 
 
 @pytest.mark.cuda
-def test_fsdp2_cpu_offload_trains_on_cuda():
+def test_fsdp2_cpu_offload_trains_on_cuda(monkeypatch):
     """One-rank group as ppo-critic starts one (NCCL + gloo for the CPU gradients): parameters (and so optimizer
     state) live on the CPU, the update still learns."""
     import torch.distributed as dist
 
     cuda_group(BACKEND_CUDA)
     try:
+        checked = check_collective_devices(monkeypatch)
         cfg = {**LORA, "strategy": "fsdp2", "model": {"override_config": tiny_config("qwen2")}}
         cfg["model"]["fsdp_config"] = {"param_offload": True, "optimizer_offload": True}
         worker = CriticWorker(cfg, device="cuda")
@@ -155,6 +157,7 @@ def test_fsdp2_cpu_offload_trains_on_cuda():
             first = loss if first is None else first
         assert loss < first
         assert all(s.device.type == "cpu" for st in worker.optimizer.state.values() for s in st.values() if s.dim())
+        assert checked  # every collective of it on a device its backend takes (DESIGN §8)
     finally:
         dist.destroy_process_group()
 

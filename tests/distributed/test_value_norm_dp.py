@@ -20,6 +20,8 @@ def dp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("value_norm_dp2")
     result = torchrun(str(HERE / "value_norm_worker.py"), str(out))
     assert result.returncode == 0, result.stderr[-4000:]
+    # DESIGN §8: the workers' collectives (compute_values' gather, the statistics' reductions) on the backend's device
+    assert {"all_gather", "all_reduce"} <= set(json.loads((out / "collectives.json").read_text()))
     return out, json.loads((out / "report.json").read_text())
 
 

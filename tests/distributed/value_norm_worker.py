@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 from value_norm_cases import CASES, NO_EXPORT, RESUMED, batches
 
+from cuda_contract import check_collective_devices
 from ppo_critic.worker import CriticWorker
 
 
 def main() -> None:
     out = Path(sys.argv[1])
+    checked = check_collective_devices()
     report = {}
     for name, config in CASES.items():
         worker = CriticWorker(config, device="cpu")
@@ -47,6 +49,7 @@ def main() -> None:
                 report[name]["resumed_values"] = again.tolist()
     if dist.get_rank() == 0:
         (out / "report.json").write_text(json.dumps(report))
+        (out / "collectives.json").write_text(json.dumps(checked))
     dist.destroy_process_group()
 
 
