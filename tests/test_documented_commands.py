@@ -68,7 +68,7 @@ PYTHONS = ("python", "python3")
 # What is not run, and why: (reason, does this command get it?) — checked in order; the first match wins.
 
 SETUP = "environment setup (creating and entering the virtual environment, installing: done before the tests run)"
-CI = "CI's own lint and test steps (`pytest -q` would run this file again); CI runs them itself"
+CI = "CI's own lint and test steps (`pytest -q` would run this file again, as would tests/with_gpu_stack); CI runs them"
 VERL = "verl: its test suites (CI runs tests/with_verl/run.sh itself) and verl's own trainer (needs verl, Ray, GPUs)"
 CUDA = "needs CUDA, which this machine does not have"
 
@@ -95,7 +95,7 @@ def _needs_cuda(argv: list[str]) -> bool:
 
 SKIP_RULES = (
     (SETUP, _is_setup),
-    (CI, lambda argv: argv[0] in ("ruff", "pytest")),
+    (CI, lambda argv: argv[0] in ("ruff", "pytest") or argv[:2] == ["bash", "tests/with_gpu_stack/run.sh"]),
     (VERL, _is_verl),
     (CUDA, _needs_cuda),
 )
@@ -112,6 +112,7 @@ EXPECTED_SKIPPED = {
     "ruff check .": CI,
     "ruff format --check .": CI,
     "pytest -q": CI,
+    "bash tests/with_gpu_stack/run.sh": CI,
     "bash tests/with_verl/run.sh 0.7.1": VERL,
     "bash tests/with_verl/run.sh 0.9.1": VERL,
     "python -m verl.trainer.main_ppo algorithm.adv_estimator=gae critic.strategy=fsdp2 ...": VERL,
