@@ -1,12 +1,14 @@
-"""Soak of the CLI's data safety: random commands over one run directory on a small real file system.
+"""Soak of the CLI's data safety: random commands over run directories on a small real file system.
 
 200 commands (by default) drawn at random: `train` (resuming, with options that may or may not change mid-run, new
 runs with and without `--overwrite`), `export` and `values` (to fresh paths, existing ones, with `--force`, into the
 run directory, over their own input; padded or packed), a `train` killed with SIGKILL, SIGTERM or SIGINT (Ctrl-C) at
-a random moment, a second writer while one trains, and a `train` on a disk that fills up. Every command must end
-with exit code 0 or 2 (never a traceback); after each, every complete checkpoint must verify, `config.yaml` must
-parse and the rollout file must be intact. At the end one more `train` resumes the run to its last step, and
-`metrics.jsonl` must hold exactly the steps of the final checkpoint.
+a random moment, a second writer while one trains, and a `train` on a disk that fills up. Cross-run commands aim at
+a second run beside the first (`other/`): exports, values and new runs into it, inside its checkpoints and `hf/`,
+over the directory holding both, `""` and `.`; and `other/` itself resumed. Every command must end with exit code 0
+or 2 (never a traceback), and leave every run directory but its own (`train`'s) file for file as it was; after each,
+every complete checkpoint must verify, `config.yaml` must parse and the rollout file must be intact. At the end one
+more `train` resumes the run to its last step, and `metrics.jsonl` must hold exactly the steps of the final checkpoint.
 
 Runs as root (it mounts a tmpfs). Commands run in forked children of this warmed-up process (no import per command):
     python bench/soak_cli.py [--commands 200] [--seed 0] [--out bench/results/soak_cli.json]
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -34,7 +37,7 @@ import torch
 
 import ppo_critic.cli as cli
 from ppo_critic.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
-from ppo_critic.files import write_file
+from ppo_critic.files import LOCK_FILE, write_file
 from ppo_critic.runlog import read_metrics
 
 RUN_ARGS = [
@@ -64,7 +67,12 @@ KINDS = {
     "sigint": 5,
     "second-writer": 5,
     "full-disk": 15,
+    "cross-export": 30,
+    "cross-values": 25,
+    "cross-train": 25,
+    "other-resume": 4,
 }
+CROSS = ("cross-export", "cross-values", "cross-train")
 ROW = {"prompt_ids": [1, 2], "response_ids": [3, 4, 5], "reward": 1.0}
 
 
@@ -91,6 +99,12 @@ def fork(argv: list[str], log: Path) -> int:
     return pid
 
 
+def tree(path: Path) -> dict[str, str]:
+    """Every file under `path` (its lock file aside) -> its sha256: what "left as it was" compares."""
+    files = (p for p in sorted(path.rglob("*")) if p.is_file() and p.name != LOCK_FILE)
+    return {p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
 def outcome(pid: int) -> str:
     _, status = os.waitpid(pid, 0)
     return f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
@@ -100,6 +114,8 @@ class Soak:
     def __init__(self, root: Path, seed: int):
         self.root, self.rng = root, random.Random(seed)
         self.run = root / "run"
+        self.other = root / "other"  # a second run beside the first, aimed at by the cross-run commands
+        self.other_steps = 2
         self.steps = 2
         self.log = root / "command.log"
         self.data = root / "rollouts.jsonl"
@@ -110,12 +126,37 @@ class Soak:
     def train_argv(self, *extra: str) -> list[str]:
         return ["train", *RUN_ARGS, f"trainer.run_dir={self.run}", f"trainer.steps={self.steps}", *extra]
 
-    def command(self, kind: str, argv: list[str]) -> str:
+    def other_argv(self) -> list[str]:
+        return ["train", *RUN_ARGS, f"trainer.run_dir={self.other}", f"trainer.steps={self.other_steps}"]
+
+    def command(self, kind: str, argv: list[str], own: Path | None = None) -> str:
+        """Run `argv`; it may write only into the run directory `own` (a `train`'s), every other stays as it was."""
+        others = [r for r in (self.run, self.other) if r != own and r.exists()]
+        before = {r: tree(r) for r in others}
         result = outcome(fork(argv, self.log))
         self.outcomes[(kind, result)] += 1
         if result not in ("exit 0", "exit 2"):
             self.violations.append(f"{kind} {argv[:1]} ended with {result}: {self.log.read_text()[-1500:]}")
+        for run, files in before.items():
+            if tree(run) != files:
+                self.violations.append(f"{kind} {argv} changed {run}: {self.log.read_text()[-500:]}")
         return result
+
+    def cross(self, kind: str) -> None:
+        """A command of the first run aimed at the second's paths, or a new run placed in or over a run."""
+        newest = latest_checkpoint(self.other / "checkpoints") or self.other / "checkpoints" / "step_00000002"
+        inside = [self.other, self.other / "checkpoints", newest, newest / "hf", self.other / "hf", self.root]
+        inside += [self.other / "checkpoints" / ".." / "tensorboard", Path(""), Path(".")]
+        force = self.rng.choice([[], ["--force"]])
+        if kind == "cross-export":
+            self.command(kind, ["export", str(self.run), str(self.rng.choice(inside)), *force])
+        elif kind == "cross-values":
+            target = self.rng.choice([self.other / "metrics.jsonl", newest / "v.jsonl", self.other / "config.yaml"])
+            self.command(kind, ["values", str(self.run), f"data={self.data}", f"out={target}", *force])
+        else:
+            where = self.rng.choice([newest / "sub", self.other / "hf" / "runB", self.root, self.other / "x" / "y"])
+            argv = ["train", *RUN_ARGS, f"trainer.run_dir={where}", "trainer.steps=2"]
+            self.command(kind, argv, own=where if where.resolve() != self.root.resolve() else None)
 
     def killed(self, kind: str, sig: signal.Signals) -> None:
         self.steps += self.rng.randint(2, 6)
@@ -132,7 +173,7 @@ class Soak:
         self.steps += 4
         first = fork(self.train_argv(), self.root / "first.log")
         time.sleep(self.rng.uniform(0.5, 2.0))
-        self.command("second-writer", self.train_argv())
+        self.command("second-writer", self.train_argv(), own=self.run)
         with contextlib.suppress(ProcessLookupError):
             os.kill(first, signal.SIGKILL)
         outcome(first)
@@ -146,7 +187,7 @@ class Soak:
             f.write(b"\0" * max(0, free - keep))
         self.steps += self.rng.randint(1, 4)
         try:
-            self.command("full-disk", self.train_argv())
+            self.command("full-disk", self.train_argv(), own=self.run)
         finally:
             filler.unlink()
 
@@ -155,17 +196,18 @@ class Soak:
         out = self.root / f"out-{self.rng.randint(0, 3)}"
         if kind == "resume":
             self.steps += self.rng.randint(0, 3)
-            self.command(kind, self.train_argv())
+            self.command(kind, self.train_argv(), own=self.run)
         elif kind == "changed":
             self.steps += 1
-            self.command(kind, self.train_argv(f"critic.optim.lr={self.rng.choice(['0.001', '0.002', '0.0005'])}"))
+            lr = self.rng.choice(["0.001", "0.002", "0.0005"])
+            self.command(kind, self.train_argv(f"critic.optim.lr={lr}"), own=self.run)
         elif kind == "refused":
-            self.command(kind, self.train_argv("critic.loss_agg_mode=seq-mean-token-mean"))
+            self.command(kind, self.train_argv("critic.loss_agg_mode=seq-mean-token-mean"), own=self.run)
         elif kind in ("never", "overwrite"):
             extra = ["trainer.resume=never"] + (["--overwrite"] if kind == "overwrite" else [])
             if kind == "overwrite":
                 self.steps = 2
-            self.command(kind, self.train_argv(*extra))
+            self.command(kind, self.train_argv(*extra), own=self.run)
         elif kind == "export":
             target = self.rng.choice([out, self.run, self.run / "checkpoints", self.root])
             self.command(kind, ["export", str(self.run), str(target), *self.rng.choice([[], ["--force"]])])
@@ -179,6 +221,11 @@ class Soak:
             self.killed(kind, {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigint": signal.SIGINT}[kind])
         elif kind == "second-writer":
             self.second_writer()
+        elif kind in CROSS:
+            self.cross(kind)
+        elif kind == "other-resume":
+            self.other_steps += self.rng.randint(0, 2)
+            self.command(kind, self.other_argv(), own=self.other)
         else:
             self.full_disk()
         self.check()
@@ -202,7 +249,7 @@ class Soak:
 
     def finish(self) -> dict:
         """Resume the run to its last step: metrics.jsonl must hold exactly the steps of the final checkpoint."""
-        self.command("final", self.train_argv())
+        self.command("final", self.train_argv(), own=self.run)
         newest = latest_checkpoint(self.run / "checkpoints")
         rows = read_metrics(self.run / "metrics.jsonl")
         final = int(newest.name.split("_")[1]) if newest else 0
@@ -226,7 +273,9 @@ def main() -> None:
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.size}", "tmpfs", str(root)], check=True)
         try:
             soak = Soak(root, args.seed)
+            os.chdir(root)  # `""` and `.` targets mean the disk holding both runs, never the caller's directory
             start = time.perf_counter()
+            soak.command("other-resume", soak.other_argv(), own=soak.other)  # the second run, for cross-run commands
             for i in range(args.commands):
                 soak.step()
                 if (i + 1) % 20 == 0:
@@ -234,9 +283,11 @@ def main() -> None:
             summary = soak.finish()
             elapsed = time.perf_counter() - start
         finally:
+            os.chdir(tmp)
             subprocess.run(["umount", "--lazy", str(root)], check=True)
     result = {
         "commands": args.commands,
+        "cross_run_commands": sum(n for (kind, _), n in soak.outcomes.items() if kind in CROSS),
         "seed": args.seed,
         "seconds": round(elapsed, 1),
         "outcomes": {f"{k} -> {v}": n for (k, v), n in sorted(soak.outcomes.items())},

@@ -444,3 +444,132 @@ def test_mrope_position_ids_start_at_zero_and_never_go_back_in_time():
     for bad in (text + 1, text.flip(-1), text - 5):
         with pytest.raises(ValueError, match=r"mrope, \[B, 3, T\]\) of sample \d does not start at 0"):
             make_batch(position_ids=bad).validate()
+
+
+# ---------------------------------------------------------------------------------------------- validate: issue 30
+
+
+def refusal(batch: Batch, pattern: str, require_targets: bool = True) -> str:
+    """The one-line ValueError/TypeError `batch.validate` raises, checked against `pattern`."""
+    with pytest.raises((ValueError, TypeError), match=pattern) as err:
+        batch.validate(require_targets=require_targets)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("rows", [[1], [0, 1, 2]], ids=["one-row", "whole-batch"])
+def test_an_all_zero_attention_mask_row_is_refused(rows):
+    attention = make_tensors()["attention_mask"].clone()
+    attention[rows] = 0
+    message = refusal(make_batch(attention_mask=attention), r"batch\['attention_mask'\] is all 0 in", False)
+    assert f"{len(rows)} of {B} sample(s) (first: sample {rows[0]})" in message and "drop those samples" in message
+
+
+@pytest.mark.parametrize(
+    "key", ["input_ids", "attention_mask", "position_ids", "responses", "returns", "response_mask"]
+)
+def test_a_meta_tensor_is_refused(key):
+    tensors = make_tensors()
+    value = (tensors[key] if key in tensors else tensors["attention_mask"][:, -R:]).to("meta")
+    refusal(make_batch(**{key: value}), rf"batch\['{key}'\] is on the meta device .*pass a tensor that holds data")
+
+
+def test_a_tensordict_on_the_meta_device_is_refused():
+    td = TensorDict(make_tensors(), batch_size=[B], device="meta")
+    refusal(Batch.from_any(td), r"batch\['input_ids'\] is on the meta device")
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("key", ["input_ids", "attention_mask", "position_ids", "values"])
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "nested"])
+def test_a_sparse_or_nested_tensor_is_refused(key, layout):
+    x = make_tensors()[key]
+    if layout == "nested":
+        x, fix = torch.nested.nested_tensor(list(x), layout=torch.jagged), "to_padded_tensor"
+    else:
+        x, fix = (x.to_sparse() if layout == "sparse_coo" else x.to_sparse_csr()), "to_dense"
+    message = refusal(make_batch(**{key: x}), rf"batch\['{key}'\] is a \S*{layout.split('_')[-1]} tensor; pass a dense")
+    assert fix in message
+
+
+def _nan_positions() -> torch.Tensor:
+    positions = make_tensors()["position_ids"].float()
+    positions[0, 2] = float("nan")  # row 0 is all valid
+    return positions
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [
+        _nan_positions(),
+        make_tensors()["position_ids"].float(),
+        make_tensors()["position_ids"].double(),
+        make_tensors()["position_ids"].short(),
+        make_tensors()["position_ids"].to(torch.uint8),
+        make_tensors()["position_ids"].bool(),
+        make_tensors()["position_ids"][:, None].expand(-1, 3, -1).float(),
+    ],
+    ids=["float-nan", "float", "float64", "int16", "uint8", "bool", "mrope-float"],
+)
+def test_position_ids_must_be_long_or_int32(positions):
+    """An embedding lookup (absolute-position models) takes long/int32 only; NaN positions cannot count tokens."""
+    message = refusal(make_batch(position_ids=positions), r"batch\['position_ids'\] must be a torch.long \(or")
+    assert str(positions.dtype) in message and "position_ids.long()" in message
+
+
+@pytest.mark.parametrize(
+    ("key", "convert", "name"),
+    [
+        ("returns", lambda x: x.numpy(), "numpy.ndarray"),
+        ("values", lambda x: x.tolist(), "list"),
+        ("input_ids", lambda x: x.tolist(), "list"),
+        ("attention_mask", lambda x: x.numpy(), "numpy.ndarray"),
+        ("response_mask", lambda x: x.numpy(), "numpy.ndarray"),  # else silently replaced by attention_mask's
+    ],
+)
+@pytest.mark.parametrize("container", ["dict", "dataproto"])
+def test_a_key_that_is_not_a_tensor_is_named_with_its_type(key, convert, name, container):
+    tensors = make_tensors()
+    value = convert(tensors[key] if key in tensors else tensors["attention_mask"][:, -R:])
+    rest = {k: v for k, v in tensors.items() if k != key}
+    data = {**rest, key: value} if container == "dict" else FakeDataProto(TensorDict(rest, [B]), {key: value}, {})
+    message = refusal(Batch.from_any(data), rf"batch\['{key}'\] is a {name}, not a torch.Tensor")
+    assert f"torch.as_tensor({key})" in message
+
+
+def test_a_zero_dim_input_ids_is_refused():
+    refusal(make_batch(input_ids=torch.tensor(3)), r"batch\['input_ids'\] must be \[B, T\], got shape \(\)")
+
+
+@pytest.mark.parametrize("key", ["values", "returns"])
+@pytest.mark.parametrize("big", [1e300, -1e200, 2.0**481], ids=["1e300", "-1e200", "2**481"])
+def test_float64_targets_whose_square_overflows_float64_are_refused(key, big):
+    x = make_tensors()[key].double()
+    x[2, 1] = big  # valid
+    message = refusal(make_batch(**{key: x}), rf"batch\['{key}'\] holds 1 value\(s\) beyond ±3.12e\+144")
+    assert "sample 2, response token 1" in message and "overflow float64" in message
+
+
+def test_large_targets_that_float64_holds_or_that_are_masked_are_accepted():
+    """float32 3e38 is valid input (its overflowing float32 loss is a skipped step, DESIGN §3); 2**480 is the limit."""
+    x = make_tensors()["returns"].double()
+    x[0, 0], x[1, 1] = 2.0**480, 1e300  # row 1 has one response token: position 1 is padding
+    make_batch(returns=x).validate(require_targets=True)
+    make_batch(values=torch.full((B, R), 3e38)).validate(require_targets=True)
+
+
+@pytest.mark.parametrize("part", ["batch", "non_tensor_batch", "meta_info"])
+def test_a_dataproto_part_of_the_wrong_type_is_refused(part):
+    parts = {"batch": TensorDict(make_tensors(), batch_size=[B]), "non_tensor_batch": {}, "meta_info": {}}
+    parts[part] = [1, 2]
+    with pytest.raises(TypeError, match=rf"the DataProto's {part} must be .* or None, got list"):
+        Batch.from_any(FakeDataProto(**parts))
+
+
+def test_validate_accepts_int32_positions_and_any_mask_dtype():
+    tensors = make_tensors()
+    Batch({**tensors, "position_ids": tensors["position_ids"].int()}).validate(require_targets=True)
+    mask = tensors["attention_mask"][:, -R:]
+    for dtype in (torch.bool, torch.float32, torch.int32):
+        edits = {"attention_mask": tensors["attention_mask"].to(dtype), "response_mask": mask.to(dtype)}
+        Batch({**tensors, **edits}).validate(require_targets=True)

@@ -70,7 +70,7 @@ def test_export_never_clobbers(run, tmp_path, capsys):
     before = tree(tmp_path)
     for out in (run, run / "checkpoints", tmp_path):
         code, text = cli(["export", run, out, "--force"], capsys)
-        assert code == 2 and ("inside the run directory" in text or "holds the run directory" in text), text
+        assert code == 2 and any(f"{how} the run directory" in text for how in ("is", "is inside", "holds")), text
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("user data")
     (tmp_path / "plain").write_text("a file")
@@ -298,3 +298,119 @@ def test_sigterm_handler_is_restored(capsys):
     before = signal.getsignal(signal.SIGTERM)
     cli(["bench", "layers=-1"], capsys)
     assert signal.getsignal(signal.SIGTERM) == before and os.getpid() > 0
+
+
+# --- no command touches a run directory but its own (A and B: two finished runs side by side) ---
+
+
+@pytest.fixture
+def other(finished_run, tmp_path):
+    copy = tmp_path / "other"
+    shutil.copytree(finished_run, copy)
+    return copy
+
+
+def newest_step(run: Path) -> Path:
+    return latest_checkpoint(run / "checkpoints")
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        lambda b: b / "checkpoints",
+        lambda b: newest_step(b) / "hf",
+        lambda b: b / "hf",
+        lambda b: b / "checkpoints" / ".." / "tensorboard",  # `..` resolved
+        lambda b: b.parent,  # holds both runs
+    ],
+    ids=["checkpoints", "inside-a-checkpoint", "its-hf", "dotdot", "holds-it"],
+)
+def test_export_never_writes_into_or_over_another_run(run, other, target, capsys):
+    before = tree(other)
+    for force in ([], ["--force"]):
+        code, text = cli(["export", run, target(other), *force], capsys)
+        assert code == 2 and "the run directory" in text and "write elsewhere" in text, text
+    assert tree(other) == before and verify_checkpoint(newest_step(other)) is None
+
+
+def test_values_never_write_into_another_run(run, other, rollouts, tmp_path, capsys):
+    before = tree(other)
+    (tmp_path / "link").symlink_to(other)  # through a symlink, too
+    for out in (newest_step(other) / "v.jsonl", other / "metrics.jsonl", tmp_path / "link" / "metrics.jsonl"):
+        code, text = cli(["values", run, f"data={rollouts}", f"out={out}", "--force"], capsys)
+        assert code == 2 and "is inside the run directory" in text and str(other) in text, text
+    assert tree(other) == before
+
+
+@pytest.mark.parametrize("where", [lambda a: newest_step(a) / "sub", lambda a: a / "hf" / "runB", lambda a: a.parent])
+def test_a_run_directory_never_lies_in_or_holds_another_run(run, where, capsys):
+    before = tree(run)
+    target = where(run)
+    existed = target.exists()
+    code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={target}"], capsys)
+    assert code == 2 and "trainer.run_dir=" in text and "the run directory" in text, text
+    assert tree(run) == before and target.exists() == existed  # nothing created
+
+
+@pytest.mark.parametrize("out", ["", "."])
+def test_an_empty_or_dot_target_never_moves_the_working_directory(run, tmp_path, monkeypatch, out, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("user data")
+    monkeypatch.chdir(work)
+    code, text = cli(["export", run, out, "--force"], capsys)
+    assert code == 2 and "is the working directory or holds it (an empty or unset variable?)" in text, text
+    assert (work / "notes.txt").read_text() == "user data"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "work"]  # nothing moved aside
+
+
+def test_a_run_without_checkpoints_is_not_started_over(tmp_path, capsys):
+    """`trainer.save_every=0` saves at the last step only: a run killed before it has metrics and no checkpoint."""
+    run = tmp_path / "run"
+    argv = ["train", *RUN_ARGS, f"trainer.run_dir={run}", "trainer.save_every=0"]
+    assert cli(argv, capsys)[0] == 0
+    shutil.rmtree(run / "checkpoints")  # as killed at its last step, before the one checkpoint
+    before = tree(run)
+    code, text = cli(argv, capsys)
+    assert code == 2 and "records 4 step(s) in metrics.jsonl but holds no checkpoint" in text, text
+    assert "trainer.resume=never --overwrite" in text and tree(run) == before
+
+
+def test_a_rerun_after_a_kill_past_the_last_checkpoint_writes_the_curves_and_the_export(run, capsys):
+    """Killed after the last checkpoint appeared, before the curves and the HF export: the rerun writes them."""
+    shutil.rmtree(run / "hf")
+    (run / "curves.png").unlink()
+    marker = json.loads((run / ".ppo-critic-run").read_text())
+    assert marker["finished_step"] == 4  # what a finished run records
+    (run / ".ppo-critic-run").write_text(json.dumps({**marker, "finished_step": None}))
+    argv = ["train", *RUN_ARGS, f"trainer.run_dir={run}"]
+    code, text = cli(argv, capsys)
+    assert code == 0 and "(curves and export written)" in text, text
+    assert (run / "hf" / "model.safetensors").is_file() and (run / "curves.png").is_file()
+    before = tree(run)
+    code, text = cli(argv, capsys)
+    assert code == 0 and "(nothing to do)" in text and tree(run) == before
+
+
+def test_a_run_of_the_previous_layout_is_complete_when_its_final_outputs_are_there(run, capsys):
+    """Runs written before the marker: finished when curves and export exist, finished now when they do not."""
+    (run / ".ppo-critic-run").unlink()
+    argv = ["train", *RUN_ARGS, f"trainer.run_dir={run}"]
+    before = tree(run)
+    assert "(nothing to do)" in cli(argv, capsys)[1] and tree(run) == before
+    (run / "curves.png").unlink()
+    assert "(curves and export written)" in cli(argv, capsys)[1] and (run / "curves.png").is_file()
+
+
+def test_a_runs_saved_config_given_as_config_file_decides_no_code(run, tmp_path, capsys):
+    """`--config RUN/config.yaml` is a run's saved config: options that import or run code come from this command
+    line only (a copy of it elsewhere is the user's own file, and is read as written)."""
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["critic"]["model"] |= {"external_lib": "no_such_module_ppo_critic_test", "trust_remote_code": True}
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    code, text = cli(["train", "--config", run / "config.yaml", "--print-config"], capsys)
+    shown = yaml.safe_load(text)["critic"]["model"]
+    assert code == 0 and shown["external_lib"] is None and shown["trust_remote_code"] is False
+    shutil.copy(run / "config.yaml", tmp_path / "mine.yaml")
+    shown = yaml.safe_load(cli(["train", "--config", tmp_path / "mine.yaml", "--print-config"], capsys)[1])
+    assert shown["critic"]["model"]["external_lib"] == "no_such_module_ppo_critic_test"

@@ -204,3 +204,154 @@ def test_the_trainer_accepts_its_documented_settings():
         {"data": "train.jsonl", "trainer": {"eval_data": "eval.jsonl", "eval_fraction": 0.0, "logger": "jsonl,wandb"}}
     )
     assert cfg.trainer.eval_data == "eval.jsonl" and cfg.trainer.logger == ["jsonl", "wandb"]  # normalised
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 30: values too large for their type, malformed betas, sizes that cannot be allocated; each one message
+
+
+HUGE = 10**399  # 400 digits: no float holds it
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"trainer": {"gamma": HUGE}}, "trainer.gamma=<a 400-digit integer> is too large: it must be a finite number"),
+        ({"trainer": {"dist_timeout_s": HUGE}}, "trainer.dist_timeout_s=<a 400-digit integer> is too large"),
+        ({"trainer": {"dist_timeout_s": 1e300}}, "trainer.dist_timeout_s=1e+300 is too large: torch.distributed"),
+        ({"trainer": {"steps": 10**4999}}, "trainer.steps=<an integer of more than 4300 digits> is too large"),
+        ({"trainer": {"steps": 2**63}}, "trainer.steps=9223372036854775808 is too large: it must be a 64-bit integer"),
+        ({"task": {"max_prompt_len": -(2**70)}}, "task.max_prompt_len=<a 22-digit integer> is too large"),
+        ({"critic": {"optim": {"betas": [0.9]}}}, "critic.optim.betas=[0.9] must be a list of 2 numbers"),
+        ({"critic": {"optim": {"betas": "x"}}}, "critic.optim.betas='x' must be a list of 2 numbers"),
+        ({"critic": {"optim": {"betas": [0.9, 0.99, 0.1]}}}, "critic.optim.betas=[0.9, 0.99, 0.1] must be a list of 2"),
+        ({"critic": {"optim": {"betas": [[0.9], [0.99]]}}}, "critic.optim.betas[0]=[0.9] must be a number"),
+        ({"critic": {"optim": {"betas": [0.9, True]}}}, "critic.optim.betas[1]=True must be a number"),
+        ({"critic": {"optim": {"betas": [0.9, HUGE]}}}, "critic.optim.betas[1]=<a 400-digit integer> is too large"),
+        (
+            {"critic": {"model": {"override_config": {"max_position_embeddings": HUGE}}}},
+            "critic.model.override_config.max_position_embeddings=<a 400-digit integer> must be a positive integer",
+        ),
+    ],
+    ids=[
+        "gamma-400-digits",
+        "timeout-400-digits",
+        "timeout-1e300",
+        "steps-5000-digits",
+        "steps-2**63",
+        "task-length--2**70",
+        "betas-one",
+        "betas-string",
+        "betas-three",
+        "betas-nested",
+        "betas-bool",
+        "betas-400-digits",
+        "positions-400-digits",
+    ],
+)
+def test_a_value_too_large_for_its_type_or_malformed_is_one_line_naming_the_key(options, message):
+    with pytest.raises(ValueError) as info:
+        TrainConfig.from_mapping(options)
+    assert message in str(info.value) and len(str(info.value).splitlines()) <= 2  # (critic errors: a title line)
+
+
+def test_betas_built_in_code_are_checked_without_a_type_error():
+    from ppo_critic.config import OptimConfig
+
+    with pytest.raises(ValueError, match=re.escape("optim.betas=[0.9, 'x'] must be two numbers in [0, 1)")):
+        CriticConfig(optim=OptimConfig(betas=(0.9, "x"))).validate()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"trainer": {"eval_size": 10**10}}, "trainer.eval_size=10000000000: 10000000192 rollouts (192 a step and"),
+        (
+            {"trainer": {"rollout_batch_size": 2**40}, "critic": {"ppo_mini_batch_size": 64}},
+            "trainer.rollout_batch_size=1099511627776: 1099511628288 rollouts (1099511627776 a step and 512 held out)",
+        ),
+        ({"task": {"max_prompt_len": 10**8}}, "task.max_prompt_len=100000000: 704 rollouts (192 a step and 512 held"),
+        ({"task": {"name": "recall", "max_distractors": 10**9}}, "task.max_distractors=1000000000: 704 rollouts"),
+        (
+            {"data": "x.jsonl", "trainer": {"rollout_batch_size": 2**40}, "critic": {"ppo_mini_batch_size": 64}},
+            "trainer.rollout_batch_size=1099511627776: 1099511627776 rollouts a step of at least 2 tokens need at",
+        ),
+    ],
+    ids=["eval-size", "rollout-batch", "max-prompt-len", "recall-distractors", "rollout-batch-of-a-file"],
+)
+def test_a_batch_that_cannot_fit_in_memory_is_refused_by_the_config_check(options, message, monkeypatch):
+    from ppo_critic import train_config
+
+    monkeypatch.setattr(train_config, "host_memory", lambda: 64 * 2**30)  # a 64 GiB machine
+    with pytest.raises(ValueError) as info:
+        TrainConfig.from_mapping(options)
+    text = str(info.value)
+    assert message in text and "more than this machine's 64.0 GiB; lower" in text and "\n" not in text, text
+
+
+def test_the_memory_bound_is_the_machines_and_the_default_fits_a_small_one(monkeypatch):
+    from ppo_critic import train_config
+
+    options = {"trainer": {"eval_size": 10**7}}  # 10M rows of >= 18 tokens: >= 4 GiB of token tensors
+    monkeypatch.setattr(train_config, "host_memory", lambda: 2**30)
+    TrainConfig.from_mapping({})  # the defaults need a few hundred KiB
+    with pytest.raises(ValueError, match=r"trainer\.eval_size=10000000: .* more than this machine's 1\.0 GiB"):
+        TrainConfig.from_mapping(options)
+    monkeypatch.setattr(train_config, "host_memory", lambda: 2**40)
+    assert TrainConfig.from_mapping(options).trainer.eval_size == 10**7
+    monkeypatch.setattr(train_config, "host_memory", lambda: None)  # unknown: no bound
+    assert TrainConfig.from_mapping({"trainer": {"eval_size": 10**10}}).trainer.eval_size == 10**10
+
+
+def test_host_memory_is_the_physical_memory_or_a_lower_cgroup_limit(tmp_path, monkeypatch):
+    import os
+
+    from ppo_critic import train_config
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setattr(train_config, "CGROUP_LIMITS", (str(tmp_path / "absent"),))
+    assert train_config.host_memory() == physical
+    (tmp_path / "memory.max").write_text("max\n")  # cgroup v2 without a limit
+    (tmp_path / "limit").write_text(f"{2**30}\n")
+    monkeypatch.setattr(train_config, "CGROUP_LIMITS", (str(tmp_path / "memory.max"), str(tmp_path / "limit")))
+    assert train_config.host_memory() == min(physical, 2**30)
+
+
+def test_the_longest_row_of_a_file_is_checked_against_memory_when_the_model_is_sized(monkeypatch):
+    from ppo_critic import train_config
+
+    monkeypatch.setattr(train_config, "host_memory", lambda: 8 * 2**30)
+    cfg = TrainConfig.from_mapping({"data": "x.jsonl"})
+    assert train_config.resolve_model(cfg, 40, 300).critic.model.override_config["max_position_embeddings"] == 300
+    message = r"trainer\.rollout_batch_size=192: 192 rollouts a step, padded to the longest row, of at least 3000000"
+    with pytest.raises(ValueError, match=message + r" tokens need at least 12\.9 GiB .* lower trainer\.rollout_batch"):
+        train_config.resolve_model(cfg, 40, 3_000_000)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"task": {"name": "long"}, "critic": {"model": {"override_config": {"max_position_embeddings": 64}}}},
+            "task.max_response_len=288: the task's rows reach at least 294 tokens, more than the model's 64 positions "
+            "(critic.model.override_config.max_position_embeddings); use a model with max_position_embeddings >= 294",
+        ),
+        (
+            {"task": {"max_prompt_len": 100}, "critic": {"model": {"path": "MODEL"}}},
+            "task.max_prompt_len=100: the task's rows reach at least 112 tokens, more than the model's 32 positions "
+            "(max_position_embeddings in MODEL/config.json)",
+        ),
+    ],
+    ids=["override-config", "model-directory"],
+)
+def test_task_rows_longer_than_the_models_positions_are_refused(options, message, tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 32}))
+    options["critic"]["ppo_mini_batch_size"] = 96  # the trainer's (a critic section starts from verl's defaults)
+    if "path" in options["critic"]["model"]:
+        options["critic"]["model"]["path"] = str(tmp_path)
+    with pytest.raises(ValueError) as info:
+        TrainConfig.from_mapping(options)
+    assert message.replace("MODEL", str(tmp_path)) in str(info.value)
+    TrainConfig.from_mapping({**options, "task": {"name": "counting"}})  # 20 tokens: fits in both

@@ -1,6 +1,8 @@
 """Crash safety: a training process killed (SIGKILL) while it writes a checkpoint resumes bit-identically; a failed
-write explains itself and keeps the previous checkpoint; loading checkpoints, weights and rollout files executes no
-code stored in them, and remote model code runs only when asked."""
+write explains itself and keeps the previous checkpoint; a checkpoint that does not verify is refused by `train`,
+`values` and `export` naming the file (train resumes from the one before it and moves it aside when it saves that step
+again); loading checkpoints, weights and rollout files executes no code stored in them, and remote model code runs
+only when asked."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import json
 import os
 import pickle
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,10 +30,12 @@ from safetensors.torch import load_file
 import ppo_critic.checkpoint as ckpt
 from conftest import TINY, make_batch, state_hash, tiny_config, without_timings
 from ppo_critic import build_value_model
-from ppo_critic.checkpoint import latest_checkpoint, load_checkpoint
+from ppo_critic.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
+from ppo_critic.cli import main
 from ppo_critic.config import CriticConfig
 from ppo_critic.rollouts import read_rollouts
 from ppo_critic.worker import CriticWorker
+from test_checkpoint import DAMAGES, contents
 from test_train import SHORT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -353,6 +359,62 @@ def test_saving_before_the_first_update_changes_nothing(tmp_path):
     expected = state_hash(plain.model, plain.optimizer)
     assert state_hash(saved.model, saved.optimizer) == expected
     assert state_hash(loaded.model, loaded.optimizer) == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train, values and export on a run whose newest checkpoint does not verify
+
+RUN_ARGS = [*SHORT, "trainer.logger=[console,jsonl]"]  # checkpoints at steps 2 and 4
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("trained") / "run"
+    assert main(["train", *RUN_ARGS, f"trainer.run_dir={run}"]) == 0
+    return run
+
+
+def command(argv: list, capsys) -> tuple[int, str, list[str]]:
+    """`ppo-critic <argv>` in this process: exit code, stdout + stderr, and the checkpoint warnings it issued."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as exit_:
+            code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err, [str(w.message) for w in caught if "checkpoint" in str(w.message)]
+
+
+@pytest.mark.parametrize("case", ["bit-flip-without-manifest", "manifest-null", "metadata-deleted", "extra-file"])
+def test_a_newest_checkpoint_that_does_not_verify_is_refused_by_every_command(trained_run, tmp_path, capsys, case):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    newest = run / "checkpoints" / "step_00000004"
+    damage, problem = DAMAGES[case]
+    damage(newest)
+    damaged = contents(newest)
+    refusal = f"checkpoint {newest} is damaged: {problem}"
+    rollouts = tmp_path / "rollouts.jsonl"
+    rollouts.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4], "reward": 1.0}) + "\n")
+    values = ["values", run, f"data={rollouts}", f"out={tmp_path / 'values.jsonl'}"]
+    for argv, output in ((values, tmp_path / "values.jsonl"), (["export", run, tmp_path / "hf"], tmp_path / "hf")):
+        code, text, warned = command(argv, capsys)
+        said = [line for line in text.strip().splitlines() if not line.startswith("usage: ")]
+        assert code == 2 and len(said) == 1 and said[0].startswith(f"ppo-critic {argv[0]}: error: {refusal}"), text
+        assert warned == [] and not output.exists()
+
+    code, text, warned = command(["train", *RUN_ARGS, f"trainer.run_dir={run}"], capsys)
+    assert code == 0, text
+    assert text.count(refusal) == 1 and f"{refusal}; trying the checkpoint before it\n" in text, text
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in text
+    aside = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_00000004.damaged-")]
+    assert len(aside) == 1 and contents(aside[0]) == damaged  # saving step 4 again moved it aside, whole
+    assert warned == [
+        f"checkpoint {newest} is damaged ({problem}): moved aside to {aside[0]} before saving its step again"
+    ]
+    verify_checkpoint(newest)
+    assert latest_checkpoint(run / "checkpoints") == newest
 
 
 # ---------------------------------------------------------------------------------------------------------------

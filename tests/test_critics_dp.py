@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from conftest import FakeDataProto, edited, make_batch, state_hash, tiny_config
+from conftest import FakeDataProto, edited, make_batch, state_hash, tiny_config, without_timings
 from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.algos import LOSS_AGG_MODES, compute_value_loss, explained_variance, masked_mean
 from ppo_critic.attention import VARLEN
@@ -307,7 +307,8 @@ def _bad_batches():
     nan_values[0, 0] = float("nan")
     inf_returns = good["returns"].clone()
     inf_returns[1, 0] = float("inf")
-    return {
+    huge = torch.full((8, 5), 1e300, dtype=torch.float64)
+    return _bad_model_inputs() | {
         "missing key": (edit(returns=None), "returns"),
         "float input_ids": (edit(input_ids=good["input_ids"].float()), "input_ids"),
         "attention_mask shape": (edit(attention_mask=good["attention_mask"][:, 1:]), "attention_mask"),
@@ -321,6 +322,60 @@ def _bad_batches():
         "NaN in values": (edit(values=nan_values), "values"),
         "Inf in returns": (edit(returns=inf_returns), "returns"),
         "not a batch": ([1, 2, 3], "batch"),
+        # issue 30: what only update_critic reads
+        "meta returns": (edit(returns=good["returns"].to("meta")), r"batch\['returns'\] is on the meta device"),
+        "sparse returns": (edit(returns=good["returns"].to_sparse()), r"batch\['returns'\] is a torch.sparse_coo"),
+        "returns as numpy": (edit(returns=good["returns"].numpy()), r"batch\['returns'\] is a numpy.ndarray, not a"),
+        "response_mask as numpy": (
+            edit(response_mask=good["attention_mask"][:, -5:].numpy()),
+            r"batch\['response_mask'\] is a numpy.ndarray, not a",
+        ),
+        "float64 returns of 1e300": (edit(returns=huge), r"batch\['returns'\] holds \d+ value\(s\) beyond ±3.12e\+144"),
+        "float64 values of -1e300": (edit(values=-huge), r"batch\['values'\] holds \d+ value\(s\) beyond ±3.12e\+144"),
+    }
+
+
+def _bad_model_inputs():
+    """Model inputs that compute_values and update_critic both refuse (issue 30), with what the message says."""
+    good = make_batch(8, 6, 5, seed=9)
+
+    def edit(**changes):
+        return edited(good, **changes)
+
+    empty_row = good["attention_mask"].clone()
+    empty_row[3] = 0
+    nan_positions = good["position_ids"].float()
+    nan_positions[0, 6] = float("nan")  # the first response token: valid in every row
+    return {
+        "all-zero attention_mask row": (
+            edit(attention_mask=empty_row),
+            r"batch\['attention_mask'\] is all 0 in 1 of 8",
+        ),
+        "all-zero attention_mask": (
+            edit(attention_mask=torch.zeros_like(empty_row)),
+            r"batch\['attention_mask'\] is all 0 in 8 of 8",
+        ),
+        "meta input_ids": (edit(input_ids=good["input_ids"].to("meta")), r"batch\['input_ids'\] is on the meta device"),
+        "all on meta": ({k: v.to("meta") for k, v in good.items()}, r"batch\['input_ids'\] is on the meta device"),
+        "sparse input_ids": (
+            edit(input_ids=good["input_ids"].to_sparse()),
+            r"batch\['input_ids'\] is a torch.sparse_coo",
+        ),
+        "sparse attention_mask": (
+            edit(attention_mask=good["attention_mask"].to_sparse()),
+            r"batch\['attention_mask'\] is a torch.sparse_coo",
+        ),
+        "NaN in float position_ids": (
+            edit(position_ids=nan_positions),
+            r"batch\['position_ids'\] must be a torch.long",
+        ),
+        "int16 position_ids": (
+            edit(position_ids=good["position_ids"].short()),
+            r"batch\['position_ids'\] must be a torch.long",
+        ),
+        "input_ids as a list": (edit(input_ids=good["input_ids"].tolist()), r"batch\['input_ids'\] is a list, not a"),
+        "0-d input_ids": (edit(input_ids=torch.tensor(3)), r"batch\['input_ids'\] must be \[B, T\], got shape \(\)"),
+        "DataProto meta_info a list": (FakeDataProto(good, {}, [("k", 1)]), "the DataProto's meta_info must be a dict"),
     }
 
 
@@ -332,9 +387,62 @@ def test_bad_input_raises_a_named_error_and_changes_nothing(tiny_qwen2, case):
     critic.update_critic(make_batch(8, 6, 5))
     before = state_hash(model, optimizer)
     batch, name = _bad_batches()[case]
-    with pytest.raises((ValueError, TypeError), match=name):
+    with pytest.raises((ValueError, TypeError), match=name) as err:
         critic.update_critic(batch)
+    assert "\n" not in str(err.value)  # one line
     assert state_hash(model, optimizer) == before
+
+
+@pytest.mark.parametrize("case", list(_bad_model_inputs()))
+def test_compute_values_refuses_bad_model_input_with_a_named_error(tiny_qwen2, case):
+    model = tiny_qwen2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    critic = make_critic(model, optimizer=optimizer, ema_decay=0.5)  # compute_values swaps the average in and out
+    critic.update_critic(make_batch(8, 6, 5))
+    before = state_hash(model, optimizer)
+    batch, name = _bad_model_inputs()[case]
+    with pytest.raises((ValueError, TypeError), match=name) as err:
+        critic.compute_values(batch)
+    assert "\n" not in str(err.value)
+    assert state_hash(model, optimizer) == before
+
+
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        ({"use_dynamic_bsz": "false"}, r"meta_info\['use_dynamic_bsz'\]='false' \(str\) must be True, False or None"),
+        ({"use_dynamic_bsz": 1}, r"meta_info\['use_dynamic_bsz'\]=1 \(int\) must be True, False or None"),
+        ({"use_dynamic_bsz": torch.tensor(True)}, r"meta_info\['use_dynamic_bsz'\]=tensor\(True\) \(Tensor\)"),
+    ],
+    ids=["str", "int", "tensor"],
+)
+def test_compute_values_refuses_a_meta_info_setting_of_the_wrong_type(tiny_qwen2, meta, message):
+    """verl's meta_info holds Python bools and ints; `bool("false")` is True, so a string is an error, not a guess."""
+    model = tiny_qwen2()
+    critic = make_critic(model)
+    before = state_hash(model)
+    with pytest.raises((TypeError, ValueError), match=message) as err:
+        critic.compute_values(DataProtoStandIn(make_batch(8, 6, 5), meta))
+    assert "\n" not in str(err.value) and state_hash(model) == before
+
+
+def test_compute_values_takes_python_and_numpy_bools_and_none_from_meta_info(tiny_qwen2):
+    critic = make_critic(tiny_qwen2(), forward_micro_batch_size_per_gpu=8)
+    batch = make_batch(8, 6, 5)
+    plain = critic.compute_values(batch)
+    for flag in (False, np.bool_(False), None):
+        meta = {"use_dynamic_bsz": flag, "micro_batch_size": np.int64(8), "max_token_len": None}
+        torch.testing.assert_close(critic.compute_values(DataProtoStandIn(batch, meta)), plain, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_a_batch_whose_tensors_live_on_different_devices_is_accepted(tiny_qwen2):
+    """Validation runs on the devices the tensors are on; the critic then moves the whole batch to its own."""
+    batch = make_batch(8, 6, 5)
+    mixed = {k: v.cuda() if k in ("input_ids", "position_ids", "values") else v for k, v in batch.items()}
+    a, b = make_critic(tiny_qwen2()), make_critic(tiny_qwen2())
+    torch.testing.assert_close(a.compute_values(mixed), b.compute_values(batch), rtol=0, atol=0)
+    assert without_timings(a.update_critic(mixed)) == without_timings(b.update_critic(batch))
 
 
 def test_sequence_over_the_dynamic_budget_raises_before_any_step(tiny_qwen2):

@@ -97,3 +97,80 @@ def test_values_are_shown_as_yaml(value, shown):
 
 def _line(text: str, start: str) -> str:
     return next(line for line in text.splitlines() if line.startswith(start))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading options (issue 30): train_config.load_options and read_yaml_options, which cli.load_config calls
+
+
+def test_options_read_by_load_options_are_those_omegaconf_merges(tmp_path):
+    """Defaults ← file ← overrides: the same config as OmegaConf's merge for valid options (interpolations too)."""
+    from omegaconf import OmegaConf
+
+    from ppo_critic.train_config import load_options, read_yaml_options
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text("trainer:\n  steps: 7\n  run_dir: runs/${task.name}\ncritic:\n  optim: {betas: [0.8, 0.9]}\n")
+    overrides = ["task.name=dense", "critic.optim.lr=1e-3", "trainer.logger=[jsonl]", "task.max_prompt_len=4"]
+    merged = OmegaConf.merge(TrainConfig().to_dict(), OmegaConf.load(config), OmegaConf.from_dotlist(overrides))
+    expected = TrainConfig.from_mapping(OmegaConf.to_container(merged, resolve=True))
+    assert load_options(overrides, file_options=read_yaml_options(config)) == expected
+    assert expected.trainer.run_dir == "runs/dense" and expected.critic.optim.betas == (0.8, 0.9)
+    assert load_options([], base=expected.to_dict()) == expected
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (f"trainer.steps={'1' * 5000}", "trainer.steps=<a 5000-digit integer> is too large to read: an integer option"),
+        (f"critic.optim.betas=[0.9, {'9' * 4400}]", "critic.optim.betas[1]=<a 4400-digit integer> is too large"),
+        ("critic.optim.betas=x", "critic.optim.betas='x' must be a list of 2 numbers"),
+        ("trainer.steps=[1,2", "trainer.steps='[1,2' is not a valid YAML value (expected ',' or ']'"),
+        ("trainer.run_dir=${nope}", "could not read the options: trainer.run_dir: Interpolation key 'nope' not found"),
+    ],
+    ids=["5000-digits", "5000-digits-in-a-list", "betas-string", "bad-yaml", "bad-interpolation"],
+)
+def test_an_override_that_cannot_be_read_is_one_line_naming_its_key(override, message):
+    from ppo_critic.train_config import load_options
+
+    with pytest.raises(ValueError) as info:
+        load_options([override])
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"- 1\n- 2\n", "{path} holds a list, not options: a config file maps option names to values"),
+        (b"3\n", "{path} holds a single value ('3'), not options"),
+        (b"\x00\x01\x02binary", "{path} is not a text file (it holds NUL bytes: binary, or UTF-16 without"),
+        (b"steps: \xe9\n", "{path} is not UTF-8 text (byte 7 is 0xe9); a config file is YAML saved as UTF-8"),
+        ("trainer: {steps: 3}".encode("utf-16"), "{path} is UTF-16 text; save it as UTF-8"),
+        ("trainer: {steps: 3}".encode("utf-32"), "{path} is UTF-32 text; save it as UTF-8"),
+        (b"trainer:\n  steps: [1, 2\n", "{path}:3:1: not valid YAML (expected ',' or ']', but got '<stream end>')"),
+        (b"trainer:\n  seed: " + b"7" * 4400 + b"\n", "{path}:2:9: trainer.seed=<a 4400-digit integer> is too large"),
+        (b"a: [" + b"1, " * 3 + b"-" + b"2" * 4400 + b"]\n", "{path}:1:14: a[3]=<a 4400-digit integer> is too large"),
+    ],
+    ids=["list", "scalar", "binary", "latin-1", "utf-16", "utf-32", "bad-yaml", "5000-digits", "5000-digits-in-list"],
+)
+def test_a_config_file_that_is_not_yaml_options_is_one_line_naming_it(content, message, tmp_path):
+    from ppo_critic.train_config import read_yaml_options
+
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        read_yaml_options(path)
+    assert message.format(path=path) in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_a_config_file_may_be_empty_start_with_a_byte_order_mark_or_be_missing(tmp_path):
+    from ppo_critic.train_config import read_yaml_options
+
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "bom.yaml").write_bytes(b"\xef\xbb\xbftrainer: {steps: 3}\n")
+    assert read_yaml_options(tmp_path / "empty.yaml") == {}
+    assert read_yaml_options(tmp_path / "bom.yaml") == {"trainer": {"steps": 3}}
+    with pytest.raises(FileNotFoundError, match=f"config file {tmp_path / 'no.yaml'} does not exist"):
+        read_yaml_options(tmp_path / "no.yaml")
+    with pytest.raises(ValueError, match=f"--config {tmp_path} is a directory; give the YAML file of options"):
+        read_yaml_options(tmp_path)

@@ -559,3 +559,53 @@ def test_failed_rename_leaves_no_temp_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="rename failed"):
         write_values(path, VALUES)
     assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rows longer than the model's positions (`max_length`, issue 30)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_row_longer_than_max_length_names_the_row_the_field_and_the_fix(tmp_path, suffix):
+    path = write_rows(tmp_path / f"rollouts{suffix}", ROWS)  # rows of 3 + 2, 1 + 3 and 2 + 1 tokens
+    assert len(read_rollouts(path, max_length=5)) == 3  # a row of exactly max_length tokens fits
+    with pytest.raises(ValueError) as info:
+        read_rollouts(path, max_length=4)
+    assert str(info.value) == (
+        f"{path}: row 1: field 'response_ids' has 2 tokens, so the row has at least 5, more than the model's 4 "
+        "positions; use a model with max_position_embeddings >= 5, or shorter rows"
+    )
+    with pytest.raises(ValueError) as info:
+        read_rollouts(path, max_length=3)
+    assert str(info.value).splitlines() == [
+        f"{path}: row 1: field 'prompt_ids' has 3 tokens, so the row has at least 4, more than the model's 3 positions;"
+        " use a model with max_position_embeddings >= 4, or shorter rows",
+        f"{path}: row 2: field 'response_ids' has 3 tokens, so the row has at least 4, more than the model's 3 "
+        "positions; use a model with max_position_embeddings >= 4, or shorter rows",
+    ]
+
+
+def test_a_text_row_longer_than_max_length_is_named_once_tokenised(tmp_path, plain_tokenizer):
+    path = write_jsonl(tmp_path / "text.jsonl", TEXT_ROWS)  # row 2: 7 prompt + 2 response tokens
+    assert len(read_rollouts(path, tokenizer=plain_tokenizer, max_length=9)) == 4
+    with pytest.raises(ValueError) as info:
+        read_rollouts(path, tokenizer=plain_tokenizer, max_length=8)
+    assert str(info.value).startswith(f"{path}: row 2: field 'response' has 2 tokens, so the row has at least 9")
+
+
+def test_a_3m_token_row_is_refused_before_any_work_per_token(tmp_path, monkeypatch):
+    path = write_jsonl(
+        tmp_path / "long.jsonl", [GOOD, {"prompt_ids": [1], "response_ids": [2] * 3_000_000, "reward": 1}]
+    )
+    checked = []
+    monkeypatch.setattr(rollouts, "_is_int", lambda value: checked.append(value) or isinstance(value, int))
+    with pytest.raises(ValueError, match=r"row 2: field 'response_ids' has 3000000 tokens, so the row has at least"):
+        read_rollouts(path, max_length=64)
+    assert len(checked) < 20  # the ids of the long row were never looked at one by one
+
+
+@pytest.mark.parametrize("max_length", [0, 1, 2.5, True])
+def test_max_length_must_fit_a_prompt_and_a_response_token(tmp_path, max_length):
+    path = write_jsonl(tmp_path / "rollouts.jsonl", ROWS)
+    with pytest.raises(ValueError, match="max_length must be an integer >= 2"):
+        read_rollouts(path, max_length=max_length)

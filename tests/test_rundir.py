@@ -25,7 +25,7 @@ def a_run(path: Path) -> Path:
 @pytest.mark.parametrize(
     ("where", "kind", "force", "message"),
     [
-        ("run", "directory", True, "is inside the run directory"),
+        ("run", "directory", True, "is the run directory"),
         ("run/checkpoints", "directory", True, "is inside the run directory"),
         ("run/values.jsonl", "file", True, "is inside the run directory"),
         (".", "directory", True, "holds the run directory"),
@@ -33,11 +33,11 @@ def a_run(path: Path) -> Path:
         ("existing.jsonl", "file", False, "exists; choose a new file, or pass --force"),
         ("folder", "file", True, "is a directory; name a file"),
         ("folder", "directory", False, "exists and is not empty; choose a new directory, or pass --force"),
-        ("other_run", "directory", True, "is a run directory; export elsewhere"),
+        ("other_run", "directory", True, "is the run directory"),
     ],
 )
 def test_outputs_that_would_destroy_something_are_refused(tmp_path, where, kind, force, message):
-    run = a_run(tmp_path / "run")
+    a_run(tmp_path / "run")
     a_run(tmp_path / "other_run")
     for name in ("data.jsonl", "existing.jsonl"):
         (tmp_path / name).write_text("rows\n")
@@ -45,19 +45,19 @@ def test_outputs_that_would_destroy_something_are_refused(tmp_path, where, kind,
     (tmp_path / "folder" / "mine.txt").write_text("user data")
     before = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
     with pytest.raises(ValueError, match=message):
-        rundir.check_output(tmp_path / where, kind, inputs=[tmp_path / "data.jsonl"], run_dirs=[run], force=force)
+        rundir.check_output(tmp_path / where, kind, inputs=[tmp_path / "data.jsonl"], force=force)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == before
 
 
 def test_force_replaces_a_file_and_moves_a_directory_aside(tmp_path):
     (tmp_path / "values.jsonl").write_text("old\n")
-    assert rundir.check_output(tmp_path / "values.jsonl", "file", [], [], force=True) is None  # write_values replaces
+    assert rundir.check_output(tmp_path / "values.jsonl", "file", [], force=True) is None  # write_values replaces
     (tmp_path / "export").mkdir()
     (tmp_path / "export" / "mine.txt").write_text("user data")
-    aside = rundir.check_output(tmp_path / "export", "directory", [], [], force=True)
+    aside = rundir.check_output(tmp_path / "export", "directory", [], force=True)
     assert aside.name.startswith("export.old-") and (aside / "mine.txt").read_text() == "user data"
     (tmp_path / "empty").mkdir()
-    assert rundir.check_output(tmp_path / "empty", "directory", [], [], force=False) is None
+    assert rundir.check_output(tmp_path / "empty", "directory", [], force=False) is None
 
 
 def test_a_new_run_never_starts_over_an_old_one(tmp_path):

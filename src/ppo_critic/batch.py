@@ -22,6 +22,10 @@ _LAYOUT = (
     "[B, 3, T], responses [B, R]; update_critic also needs values and returns [B, R]"
 )
 _ID_DTYPES = (torch.int64, torch.int32)  # what an embedding lookup accepts
+# |values|, |returns| at most 2**480 (~3.1e144): (2·x)² = 2**962 summed over up to 2**60 tokens (all micro-batches,
+# steps and DP ranks) stays below float64's largest number (~2**1024) in the loss and the metrics. Only float64
+# inputs can exceed it; float32 inputs whose squared error overflows a float32 loss are skipped steps (DESIGN §3).
+TARGET_LIMIT = 2.0**480
 
 
 @dataclass
@@ -36,15 +40,16 @@ class Batch:
         if isinstance(data, Batch):
             return data
         if all(hasattr(data, a) for a in ("batch", "non_tensor_batch", "meta_info")):
-            tensors, non_tensors = _split_items(data.batch if data.batch is not None else {})
-            non_tensors.update(data.non_tensor_batch or {})
-            return cls(tensors, non_tensors, dict(data.meta_info or {}))
+            tensors, non_tensors = _split_items(_part(data.batch, "batch", tensors=True))
+            non_tensors.update(_part(data.non_tensor_batch, "non_tensor_batch"))
+            return cls(tensors, non_tensors, dict(_part(data.meta_info, "meta_info")))
         if isinstance(data, Mapping) or _is_tensordict(data):
             return cls(*_split_items(data))
         raise TypeError(f"batch must be a TensorDict, a dict of tensors or a verl DataProto, got {type(data).__name__}")
 
     def __len__(self) -> int:
-        return self.tensors["input_ids"].shape[0] if "input_ids" in self.tensors else 0
+        ids = self.tensors.get("input_ids")
+        return ids.size(0) if ids is not None and ids.dim() else 0
 
     def __getitem__(self, key: str) -> Tensor:
         return self.tensors[key]
@@ -92,25 +97,14 @@ class Batch:
         return Batch(tensors, dict(self.non_tensors), dict(self.meta_info))
 
     def validate(self, require_targets: bool = False) -> None:
-        """Check keys, shapes, dtypes and (for training) finite targets; raise ValueError/TypeError naming the key."""
-        required = MODEL_KEYS + (TARGET_KEYS if require_targets else ())
-        missing = [k for k in required if k not in self.tensors]
-        if len(self) == 0 and "input_ids" in self.tensors:
-            raise ValueError("batch is empty (input_ids has 0 rows); pass at least one sample")
-        if missing:
-            raise ValueError(f"batch is missing key(s) {missing}; {_LAYOUT}")
-        ids = self.tensors["input_ids"]
-        if ids.dtype not in _ID_DTYPES:
-            raise TypeError(f"batch['input_ids'] must be a torch.long (or torch.int32) tensor, got {ids.dtype}")
-        if ids.dim() != 2:
-            raise ValueError(f"batch['input_ids'] must be [B, T], got shape {tuple(ids.shape)}")
-        if (ids < 0).any():
-            row, col = (int(i) for i in (ids < 0).nonzero()[0])
-            raise ValueError(
-                f"batch['input_ids'] holds {int((ids < 0).sum())} negative token id(s) (first at sample {row}, "
-                f"position {col}: {int(ids[row, col])}); token ids (padding included) must be in [0, vocab_size)"
-            )
-        b, t = ids.shape
+        """Check what is read (keys, types, shapes, dtypes, masks, positions, targets); one-line errors name the key."""
+        read = MODEL_KEYS + (TARGET_KEYS if require_targets else ())
+        self._check_present(read)
+        for key in (*read, "response_mask"):
+            if key in self.tensors:
+                _check_storage(key, self.tensors[key])
+        self._check_ids()
+        b, t = self.tensors["input_ids"].shape
         self._check_shape("attention_mask", [(b, t)])
         self._check_shape("position_ids", [(b, t), (b, 3, t)])
         responses = self.tensors["responses"]
@@ -137,11 +131,37 @@ class Batch:
         self._check_positions()
         if require_targets:
             for key in TARGET_KEYS:
-                self._check_finite(key)
-                if self.tensors[key].requires_grad:
-                    raise ValueError(
-                        f"batch[{key!r}] requires grad (it is attached to an autograd graph); pass {key}.detach()"
-                    )
+                self._check_target(key)
+
+    def _check_present(self, keys: Sequence[str]) -> None:
+        """Every key read is a torch tensor: missing keys are listed; a numpy array or a list is named as such."""
+        for key in (*keys, "response_mask"):
+            if key in self.non_tensors and key not in self.tensors:
+                got = type(self.non_tensors[key])
+                name = got.__qualname__ if got.__module__ == "builtins" else f"{got.__module__}.{got.__qualname__}"
+                raise TypeError(
+                    f"batch[{key!r}] is a {name}, not a torch.Tensor; pass torch.as_tensor({key}) (in a verl "
+                    "DataProto: in .batch, not .non_tensor_batch)"
+                )
+        missing = [k for k in keys if k not in self.tensors]
+        if missing:
+            raise ValueError(f"batch is missing key(s) {missing}; {_LAYOUT}")
+
+    def _check_ids(self) -> None:
+        """input_ids is a non-empty [B, T] tensor of non-negative torch.long / int32 token ids."""
+        ids = self.tensors["input_ids"]
+        if ids.dim() and len(self) == 0:
+            raise ValueError("batch is empty (input_ids has 0 rows); pass at least one sample")
+        if ids.dtype not in _ID_DTYPES:
+            raise TypeError(f"batch['input_ids'] must be a torch.long (or torch.int32) tensor, got {ids.dtype}")
+        if ids.dim() != 2:
+            raise ValueError(f"batch['input_ids'] must be [B, T], got shape {tuple(ids.shape)}")
+        if (ids < 0).any():
+            row, col = (int(i) for i in (ids < 0).nonzero()[0])
+            raise ValueError(
+                f"batch['input_ids'] holds {int((ids < 0).sum())} negative token id(s) (first at sample {row}, "
+                f"position {col}: {int(ids[row, col])}); token ids (padding included) must be in [0, vocab_size)"
+            )
 
     def _check_shape(self, key: str, allowed: list[tuple[int, ...]]) -> None:
         shape = tuple(self.tensors[key].shape)
@@ -150,22 +170,38 @@ class Batch:
             raise ValueError(f"batch[{key!r}] has shape {list(shape)}; expected {want} (input_ids is [B, T])")
 
     def _check_masks(self) -> None:
-        attention = self.tensors["attention_mask"]
-        if not ((attention == 0) | (attention == 1)).all():
+        """Masks are 0/1; no sample is empty; valid response tokens and the positions before them are attended."""
+        attention, mask = self.tensors["attention_mask"], self.response_mask
+        t, r = attention.shape[1], self.response_length
+        valid, response = attention.bool(), mask.bool().to(attention.device)
+        outside = response & ~valid[:, -r:]
+        unread = response & ~valid[:, t - r - 1 : t - 1]
+        empty = ~valid.any(-1)
+        flags = torch.stack(
+            [
+                ~((attention == 0) | (attention == 1)).all(),
+                ~((mask == 0) | (mask == 1)).all().to(attention.device),
+                empty.any(),
+                outside.any(),
+                unread.any(),
+            ]
+        ).tolist()
+        if flags[0]:
             raise ValueError("batch['attention_mask'] must hold only 0 and 1")
-        mask = self.response_mask
-        if not ((mask == 0) | (mask == 1)).all():
+        if flags[1]:
             raise ValueError("batch['response_mask'] must hold only 0 and 1")
-        r = self.response_length
-        outside = (mask.bool() & ~attention[:, -r:].bool().to(mask.device)).sum().item()
-        if outside:
+        if flags[2]:
             raise ValueError(
-                f"batch['response_mask'] marks {outside} token(s) as valid where attention_mask marks padding; "
-                "a response token must be attended to"
+                f"batch['attention_mask'] is all 0 in {int(empty.sum())} of {len(empty)} sample(s) (first: sample "
+                f"{int(empty.nonzero()[0])}); an empty sequence has no position to read a value at: drop those "
+                "samples (each needs at least one attended prompt token)"
             )
-        t = attention.shape[1]
-        unread = mask.bool() & ~attention[:, t - r - 1 : t - 1].bool().to(mask.device)
-        if unread.any():
+        if flags[3]:
+            raise ValueError(
+                f"batch['response_mask'] marks {int(outside.sum())} token(s) as valid where attention_mask marks "
+                "padding; a response token must be attended to"
+            )
+        if flags[4]:
             row, col = (int(i) for i in unread.nonzero()[0])
             raise ValueError(
                 f"batch['attention_mask'] is 0 at position {t - r - 1 + col} of sample {row}, just before its valid "
@@ -174,12 +210,18 @@ class Batch:
             )
 
     def _check_positions(self) -> None:
-        """Position ids count each sequence's valid tokens from 0 (`attention_mask.cumsum(-1) - 1`: verl's, TRL's,
-        what the model was trained with; packing restarts them per sequence, so anything else would also make the
-        packed and padded paths disagree). mrope ids [B, 3, T] start at 0, are not negative, and their temporal
-        component does not decrease."""
-        positions, mask = self.tensors["position_ids"], self.tensors["attention_mask"].bool()
+        """Position ids (torch.long or int32: what an embedding lookup takes) count each sequence's valid tokens
+        from 0 (`attention_mask.cumsum(-1) - 1`: verl's, TRL's, what the model was trained with; packing restarts
+        them per sequence, so anything else would also make the packed and padded paths disagree). mrope ids
+        [B, 3, T] start at 0, are not negative, and their temporal component does not decrease."""
+        mask = self.tensors["attention_mask"].bool()
+        positions = self.tensors["position_ids"].to(mask.device)
         fix = "use attention_mask.cumsum(-1) - 1 (verl: compute_position_id_with_mask)"
+        if positions.dtype not in _ID_DTYPES:
+            raise TypeError(
+                f"batch['position_ids'] must be a torch.long (or torch.int32) tensor, got {positions.dtype}; pass "
+                "position_ids.long() (they are attention_mask.cumsum(-1) - 1)"
+            )
         if positions.dim() == 2:
             expected = mask.long().cumsum(-1) - 1
             wrong = mask & (positions != expected)
@@ -205,17 +247,49 @@ class Batch:
                 "own rope index (e.g. Qwen2-VL's get_rope_index)"
             )
 
-    def _check_finite(self, key: str) -> None:
+    def _check_target(self, key: str) -> None:
+        """`values` / `returns`: floating point, detached, finite and within ±TARGET_LIMIT at valid positions."""
         x = self.tensors[key]
         if not x.dtype.is_floating_point:
             raise TypeError(f"batch[{key!r}] must be a floating-point tensor, got {x.dtype}")
-        bad = ~torch.isfinite(x) & self.response_mask.bool().to(x.device)
-        if bad.any():
-            row, col = (int(i) for i in bad.nonzero()[0])
+        if x.requires_grad:
+            raise ValueError(f"batch[{key!r}] requires grad (it is attached to an autograd graph); pass {key}.detach()")
+        # a NaN fails the comparison; float16/bfloat16/float32 cannot hold a finite number beyond the limit
+        held = x.abs() <= TARGET_LIMIT if torch.finfo(x.dtype).max > TARGET_LIMIT else torch.isfinite(x)
+        bad = ~held & self.response_mask.bool().to(x.device)
+        if not bad.any():
+            return
+        row, col = (int(i) for i in bad.nonzero()[0])
+        where = f"(first at sample {row}, response token {col}"
+        if torch.isfinite(x[row, col]):
             raise ValueError(
-                f"batch[{key!r}] has {int(bad.sum())} NaN/Inf value(s) at valid response positions "
-                f"(first at sample {row}, response token {col}); fix the rollout or mask those tokens"
+                f"batch[{key!r}] holds {int(bad.sum())} value(s) beyond ±{TARGET_LIMIT:.3g} at valid response "
+                f"positions {where}: {float(x[row, col]):.3g}), whose squared errors overflow float64 in the loss and "
+                "metrics; rescale the rewards (or mask those tokens)"
             )
+        raise ValueError(
+            f"batch[{key!r}] has {int(bad.sum())} NaN/Inf value(s) at valid response positions {where}); fix the "
+            "rollout or mask those tokens"
+        )
+
+
+def _check_storage(key: str, x: Tensor) -> None:
+    """A read tensor is dense and holds data (not sparse, nested or on the meta device)."""
+    if x.is_nested or x.layout != torch.strided:
+        kind, fix = ("nested", "torch.nested.to_padded_tensor(x, 0)") if x.is_nested else (x.layout, "x.to_dense()")
+        raise TypeError(f"batch[{key!r}] is a {kind} tensor; pass a dense (torch.strided) one: {fix}")
+    if x.is_meta:
+        raise ValueError(f"batch[{key!r}] is on the meta device (a shape without data); pass a tensor that holds data")
+
+
+def _part(value: Any, name: str, tensors: bool = False) -> Any:
+    """A part of a verl DataProto (`batch`, `non_tensor_batch`, `meta_info`): a mapping, or None (empty)."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping) or (tensors and _is_tensordict(value)):
+        return value
+    want = "a TensorDict, a dict of tensors" if tensors else "a dict"
+    raise TypeError(f"the DataProto's {name} must be {want} or None, got {type(value).__name__}")
 
 
 def _is_tensordict(data: Any) -> bool:

@@ -4,7 +4,10 @@ A checkpoint is written to a hidden temporary directory and renamed to `step_XXX
 the `latest` marker is replaced; old checkpoints are renamed away before they are deleted. A crash at any point
 leaves the previous checkpoints usable, and `latest_checkpoint` never returns a half-written or half-deleted one.
 Each checkpoint ends with `manifest.json`, a content hash of every file in it (written last); loading checks it
-first and names the file that differs, so a damaged shard never loads.
+first and names the file that differs, is missing or was added, so a damaged checkpoint never loads. One without a
+manifest (or with one that is not a JSON object of hashes) is incomplete and never used: every layout this project
+released carries one. A damaged checkpoint is never deleted: saving its step again moves it aside
+(`step_XXXXXXXX.damaged-<time>`), and retention leaves it alone.
 
 Loading executes no code from the files: DCP's `.metadata` pickle is read by an unpickler that only builds DCP's
 own metadata classes, the non-tensor entries (optimizer hyper-parameters) with `torch.load(weights_only=True)`,
@@ -21,6 +24,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -45,6 +49,7 @@ METADATA = ".metadata"
 _TMP_PREFIX = ".tmp-step_"  # a checkpoint being written
 _DEL_PREFIX = ".del-step_"  # an old checkpoint being deleted
 _FRESH_OPTIMIZER = "optimizer_fresh"  # in the JSON state of a checkpoint saved before the optimizer's first step
+_OWN_FILES = (MANIFEST, METADATA, STATE_FILE)  # what every checkpoint holds, besides DCP's `__<rank>_<n>.distcp` shards
 
 
 def save_checkpoint(
@@ -93,8 +98,8 @@ def save_state_dicts(
             if lead:
                 write_file(tmp / STATE_FILE, json.dumps({"step": step, **state}, indent=1))
                 write_file(tmp / MANIFEST, json.dumps(_hashes(tmp), indent=1))  # last: it vouches for the rest
-                if final.exists():  # the same step saved again after a resume: replace it whole
-                    delete_checkpoint(final)
+                if os.path.lexists(final):  # the same step saved again after a resume: make way for it
+                    _make_way(final)
                 os.rename(tmp, final)
     except BaseException:
         if lead:
@@ -105,7 +110,7 @@ def save_state_dicts(
             fsync_dir(root)
             write_file(root / LATEST, final.name + "\n")
         if keep_last_n:
-            for old in complete_checkpoints(root)[:-keep_last_n]:
+            for old in [p for p in complete_checkpoints(root) if _whole(p)][:-keep_last_n]:
                 if old == final:
                     continue
                 try:
@@ -117,12 +122,48 @@ def save_state_dicts(
 
 
 class CheckpointDamaged(ValueError):
-    """A checkpoint whose files do not match its manifest (nothing was loaded from it)."""
+    """A checkpoint that does not verify: no readable manifest, or a file that differs from it, is missing or was
+    added (nothing was loaded from it)."""
+
+
+class CheckpointMovedAside(UserWarning):
+    """A damaged checkpoint renamed out of the way of a new one at its step (nothing was deleted)."""
+
+
+def _make_way(final: Path) -> None:
+    """Clear `final` for the checkpoint saved again at its step: one that verifies is superseded (deleted, as
+    retention would), one that does not is moved aside, named in a warning, never deleted."""
+    problem = _manifest_problem(final)  # the first rank alone writes: no broadcast here
+    if problem is None:
+        delete_checkpoint(final)
+        return
+    aside = _aside_name(final)
+    os.rename(final, aside)
+    warnings.warn(
+        f"checkpoint {final} is damaged ({problem}): moved aside to {aside} before saving its step again",
+        CheckpointMovedAside,
+        stacklevel=3,
+    )
+
+
+def _aside_name(path: Path) -> Path:
+    """A free sibling `<name>.damaged-<time>` (outside the `step_*` namespace, so never resumed from nor deleted)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.damaged-{stamp}")
+    while os.path.lexists(target):
+        target = path.with_name(f"{path.name}.damaged-{stamp}-{uuid.uuid4().hex[:4]}")
+    return target
+
+
+def _whole(path: Path) -> bool:
+    """Whether a checkpoint holds all of its own files (cheap, no hashing): retention deletes no other."""
+    return all((path / name).is_file() for name in _OWN_FILES)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> None:
-    """Check every file of a checkpoint against its manifest; raise ValueError naming the first that differs (or is
-    missing, or was added). Under torchrun the first rank reads the files and tells the others."""
+    """Check every file of a checkpoint against its manifest; raise CheckpointDamaged (a ValueError) naming the first
+    that differs, is missing or was added, or what is wrong with the manifest — never another exception. Under
+    torchrun the first rank reads the files and tells the others."""
     problem = _manifest_problem(Path(path)) if _rank() <= 0 else None
     if _rank() >= 0:
         import torch.distributed as dist
@@ -135,20 +176,17 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
 
 
 def _manifest_problem(path: Path) -> str | None:
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        if (path / METADATA).is_file():  # written before checkpoints carried manifests: nothing to check against
-            warnings.warn(
-                f"checkpoint {path} has no {MANIFEST} (an older ppo-critic wrote it): not verified", stacklevel=3
-            )
-            return None
-        return f"{MANIFEST} is missing"
+    """What keeps a checkpoint directory from verifying, in one line naming the file; None when every file matches."""
     try:
-        expected = json.loads(manifest.read_text())
-    except (OSError, ValueError) as err:
-        return f"{MANIFEST} cannot be read ({err})"
-    actual = _hashes(path)
-    for name in sorted(expected.keys() | actual.keys()):
+        if not path.is_dir():
+            return "it is not a directory"
+        expected = _read_manifest(path)
+        if isinstance(expected, str):
+            return expected
+        actual = _hashes(path)
+    except OSError as err:
+        return f"{Path(err.filename).name if err.filename else path} cannot be read ({err.strerror or err})"
+    for name in sorted(expected.keys() | actual.keys() | {METADATA, STATE_FILE}):
         if name not in actual:
             return f"{name} is missing"
         if name not in expected:
@@ -158,10 +196,26 @@ def _manifest_problem(path: Path) -> str | None:
     return None
 
 
+def _read_manifest(path: Path) -> dict[str, str] | str:
+    """The manifest of a checkpoint directory (relative path -> content hash), or what is wrong with it."""
+    manifest = path / MANIFEST
+    if not os.path.lexists(manifest):
+        return f"{MANIFEST} is missing (it is written last: the checkpoint is incomplete)"
+    if not manifest.is_file():
+        return f"{MANIFEST} is not a file"
+    try:
+        expected = json.loads(manifest.read_bytes())
+    except (ValueError, RecursionError) as err:
+        return f"{MANIFEST} is not valid JSON ({err})"
+    if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
+        return f"{MANIFEST} does not hold a JSON object of content hashes"
+    return expected
+
+
 def _hashes(path: Path) -> dict[str, str]:
     """A content hash (BLAKE2b-128) of every file in a checkpoint directory but the manifest, by relative path."""
     out = {}
-    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and p != path / MANIFEST):
         digest = hashlib.blake2b(digest_size=16)
         with open(file, "rb") as f:
             while chunk := f.read(1 << 22):
@@ -201,8 +255,8 @@ def _no_progress_bar() -> Iterator[None]:
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under `root` (temporary and incomplete directories are ignored; its content is
-    checked when it is loaded)."""
+    """The newest checkpoint under `root` (temporary, half-deleted and empty directories are ignored), damaged or
+    not: loading it verifies it first, so a damaged one is refused naming the file, never passed over in silence."""
     steps = complete_checkpoints(root)
     return steps[-1] if steps else None
 
@@ -249,8 +303,25 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
 def _complete(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not (path / METADATA).is_file() or not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (missing {METADATA} or {STATE_FILE})")
+        raise _not_a_checkpoint(path)
     return path
+
+
+def _not_a_checkpoint(path: Path) -> FileNotFoundError:
+    return FileNotFoundError(f"{path} is not a complete checkpoint (missing {METADATA} or {STATE_FILE})")
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    """Whether `path` holds a checkpoint, whole or damaged: a directory with one of a checkpoint's own files, or a
+    non-empty `step_*` directory (only complete checkpoints are renamed there, so any content is a damaged one)."""
+    try:
+        if not path.is_dir():
+            return False
+        if any(os.path.lexists(path / name) for name in _OWN_FILES):
+            return True
+        return bool(STEP_DIR.match(path.name)) and next(path.iterdir(), None) is not None
+    except OSError:  # unreadable: verification says what cannot be read
+        return True
 
 
 def load_state_dicts(
@@ -258,7 +329,9 @@ def load_state_dicts(
 ) -> dict[str, Any]:
     """Load a checkpoint into `state_dict` (templates, filled in place) and return its JSON state — after the files
     verify and `check_state(state)` accepts it, so a refused checkpoint changes nothing."""
-    path = _complete(path)
+    path = Path(path)
+    if not _holds_checkpoint(path):  # no such directory, an empty one, or one with none of a checkpoint's files
+        raise _not_a_checkpoint(path)
     verify_checkpoint(path)
     state = read_state(path)
     if check_state is not None:
@@ -432,13 +505,12 @@ def _single_process_ok() -> Iterator[None]:
 
 
 def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under `root`, oldest step first (ordered by the step number, not the name)."""
+    """The checkpoints under `root`, oldest step first (ordered by the step number, not the name): every non-empty
+    `step_*` directory, since only complete ones are renamed there. One may be damaged since: loading verifies it."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [
-        p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / METADATA).is_file() and (p / STATE_FILE).is_file()
-    ]
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and _holds_checkpoint(p)]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 

@@ -12,10 +12,10 @@ import pickle
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ppo_critic import options
-from ppo_critic.train_config import TrainConfig
+from ppo_critic.train_config import TrainConfig, load_options, read_yaml_options
 
 EXAMPLES = """examples:
   ppo-critic train                                   # the built-in counting task, tiny model, runs/default
@@ -51,19 +51,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, TypeError, OSError, pickle.UnpicklingError) as err:  # options, files, disks
-        args.subparser.error(str(err))  # exits with code 2
+        _fail(args.subparser, str(err))
     except KeyboardInterrupt:
-        args.subparser.error("interrupted; nothing partial was written")
+        _fail(args.subparser, "interrupted; nothing partial was written")
     except ModuleNotFoundError as err:
         package = (err.name or "").split(".")[0]
         extra = EXTRAS.get(package)
         hint = f"pip install 'ppo-critic[{extra}]'" if extra else f"install {package}"
-        args.subparser.error(f"this needs the {package} package, which is not installed: {hint}")
+        _fail(args.subparser, f"this needs the {package} package, which is not installed: {hint}")
     except MemoryError as err:
-        args.subparser.error(f"out of memory ({err or 'MemoryError'}); use a smaller model or batch")
+        _fail(args.subparser, f"out of memory ({err or 'MemoryError'}); use a smaller model or batch")
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 2
+
+
+def _fail(subparser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """Exit 2 with one line, `ppo-critic <command>: error: <message>`: the message names the key and the fix, so
+    no usage text is printed above it."""
+    subparser.exit(2, f"{subparser.prog}: error: {message}\n")
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -134,29 +140,26 @@ def _parser() -> argparse.ArgumentParser:
 
 def load_config(yaml_file: Path | None, overrides: list[str], base: dict | None = None) -> TrainConfig:
     """Defaults (or `base`) ← YAML file ← overrides, checked key by key."""
-    import yaml
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ValueError(f"overrides must look like key=value, got {bad}")
     overrides = [_expand_alias(o) for o in overrides]
-    try:
-        merged = OmegaConf.create(base if base is not None else TrainConfig().to_dict())
-        if yaml_file is not None:
-            if not yaml_file.is_file():
-                raise FileNotFoundError(f"config file {yaml_file} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(yaml_file))
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
-        plain = OmegaConf.to_container(merged, resolve=True)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{yaml_file}:{mark.line + 1}:{mark.column + 1}" if mark else str(yaml_file)
-        raise ValueError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or err})") from err
-    except OmegaConfBaseException as err:
-        raise ValueError(f"could not read the options: {err}") from err
-    return TrainConfig.from_mapping(plain)
+    return load_options(overrides, base, None if yaml_file is None else _file_options(yaml_file))
+
+
+def _file_options(yaml_file: Path) -> Any:
+    """The options of a YAML file; a run's saved config (config.yaml of a run directory) decides no option that
+    imports or runs code (`CODE_FREE`): opening a run directory's files runs no code, only this command line may."""
+    from omegaconf import OmegaConf
+
+    from ppo_critic.rundir import CONFIG_FILE, is_run_dir
+
+    loaded = OmegaConf.create(read_yaml_options(yaml_file))
+    if yaml_file.name == CONFIG_FILE and is_run_dir(yaml_file.resolve().parent) and OmegaConf.is_dict(loaded):
+        for key, safe in CODE_FREE.items():
+            if OmegaConf.select(loaded, f"critic.model.{key}") is not None:
+                OmegaConf.update(loaded, f"critic.model.{key}", safe, merge=False)
+    return loaded
 
 
 def _expand_alias(override: str) -> str:
@@ -178,7 +181,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         train(cfg, overwrite=args.overwrite)  # the trainer reports (on rank 0)
     except Interrupted as err:
-        args.subparser.error(str(err))
+        _fail(args.subparser, str(err))
     return 0
 
 
@@ -195,19 +198,19 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _values(args: argparse.Namespace) -> int:
     from ppo_critic.rollouts import collate, read_rollouts, tokenizer_dir, write_values
-    from ppo_critic.rundir import check_output, is_run_dir
+    from ppo_critic.rundir import check_output
 
     pairs = dict(o.split("=", 1) for o in args.overrides if o.split("=", 1)[0] in ("data", "out"))
     if "data" not in pairs or "out" not in pairs:
         raise ValueError("values needs data=<rollout file> and out=<output .jsonl/.parquet>")
     data, out = Path(pairs["data"]), Path(pairs["out"])
-    run_dirs = [args.source] if is_run_dir(args.source) else []
-    check_output(out, "file", inputs=[data], run_dirs=run_dirs, force=args.force)
+    check_output(out, "file", inputs=[data], force=args.force)
     rest = [o for o in args.overrides if o.split("=", 1)[0] not in ("data", "out")]
     worker, cfg = _worker_for(args.source, rest)
     text_config = worker.hf_config.get_text_config()
     vocab_size = getattr(text_config, "vocab_size", None)
-    rows = read_rollouts(data, vocab_size=vocab_size, tokenizer=tokenizer_dir(cfg.critic.model))
+    positions = getattr(text_config, "max_position_embeddings", None)  # no row may be longer
+    rows = read_rollouts(data, vocab_size=vocab_size, tokenizer=tokenizer_dir(cfg.critic.model), max_length=positions)
     chunk = cfg.trainer.rollout_batch_size
     values: list[list[float]] = []
     for start in range(0, len(rows), chunk):
@@ -224,7 +227,7 @@ def _export(args: argparse.Namespace) -> int:
 
     if not is_run_dir(args.run_dir):
         raise FileNotFoundError(f"{args.run_dir} is not a run directory (no config.yaml)")
-    aside = check_output(args.out_dir, "directory", inputs=[], run_dirs=[args.run_dir], force=args.force)
+    aside = check_output(args.out_dir, "directory", inputs=[], force=args.force)
     worker, _ = _worker_for(args.run_dir, [])
     if aside is not None:
         print(f"moved the previous {args.out_dir} aside to {aside}")
@@ -241,7 +244,7 @@ def _worker_for(source: Path, overrides: list[str]) -> tuple[Any, TrainConfig]:
     """
     from omegaconf import OmegaConf
 
-    from ppo_critic.checkpoint import latest_checkpoint
+    from ppo_critic.checkpoint import CheckpointDamaged, latest_checkpoint
     from ppo_critic.rundir import is_run_dir
     from ppo_critic.train import make_worker
 
@@ -253,7 +256,13 @@ def _worker_for(source: Path, overrides: list[str]) -> tuple[Any, TrainConfig]:
         if checkpoint is None:
             raise FileNotFoundError(f"{source} has no complete checkpoint under checkpoints/")
         worker = make_worker(cfg)
-        worker.load_checkpoint(checkpoint)
+        try:
+            worker.load_checkpoint(checkpoint)
+        except CheckpointDamaged as err:  # never an older checkpoint in silence
+            raise CheckpointDamaged(
+                f"{err}; restore it from a copy, or run `ppo-critic train` on {source} again (it resumes from the "
+                "newest checkpoint that verifies and saves that step anew, moving the damaged one aside)"
+            ) from err
         return worker, cfg
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is neither a run directory nor a model directory")

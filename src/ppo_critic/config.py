@@ -13,6 +13,7 @@ import functools
 import logging
 import math
 import re
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -407,8 +408,8 @@ class CriticConfig:
             errors.append(f"model.value_head_init={init!r}: the standard deviation must be positive and finite")
         for key in MODEL_SIZES:
             value = m.override_config.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                errors.append(f"model.override_config.{key}={value!r} must be a positive integer")
+            if value is not None and not (_is_int(value) and 1 <= value <= MAX_INT):
+                errors.append(f"model.override_config.{key}={show(value)} must be a positive integer below 2**63")
         if m.value_head_dtype is not None and m.value_head_dtype not in DTYPES:
             errors.append(f"model.value_head_dtype={m.value_head_dtype!r} is unknown; use one of {sorted(DTYPES)}")
         if isinstance(m.lora_rank, bool) or not isinstance(m.lora_rank, int) or m.lora_rank < 0:
@@ -444,8 +445,9 @@ class CriticConfig:
             errors.append(f"optim.lr={o.lr!r} must be a finite number >= 0")
         if not (_finite(o.weight_decay) and o.weight_decay >= 0):
             errors.append(f"optim.weight_decay={o.weight_decay!r} must be a finite number >= 0")
-        if len(tuple(o.betas)) != 2 or not all(0 <= b < 1 for b in o.betas):
-            errors.append(f"optim.betas={o.betas!r} must be two numbers in [0, 1)")
+        if not _betas_ok(o.betas):
+            betas = list(o.betas) if isinstance(o.betas, tuple) else o.betas
+            errors.append(f"optim.betas={show(betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
         if not _positive_number(o.eps):
             errors.append(f"optim.eps={o.eps!r} must be a positive (finite) number")
         if o.min_lr_ratio is not None and not 0 <= o.min_lr_ratio <= 1:
@@ -464,12 +466,21 @@ class CriticConfig:
 _LOGGED_VERL_KEYS: set[frozenset[str]] = set()
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive_number(value: Any) -> bool:
     return _finite(value) and value > 0
+
+
+def _betas_ok(betas: Any) -> bool:
+    """AdamW's betas: a pair of numbers, each in [0, 1)."""
+    return isinstance(betas, tuple | list) and len(betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in betas)
 
 
 def per_rank(per_gpu: int | None, global_size: int | None, dp_size: int) -> int | None:
@@ -535,6 +546,9 @@ def _nested_key(cls: type, key: str) -> str | None:
 
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}
+_PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+# integers are 64-bit where they are used (torch's int64 tensors and generator seeds, C sizes and counters)
+MAX_INT = 2**63 - 1
 
 
 def _typed(name: str, value: Any, hint: Any) -> Any:
@@ -546,6 +560,8 @@ def _typed(name: str, value: Any, hint: Any) -> Any:
         options = [a for a in args if a is not type(None)]
         return _typed(name, value, options[0]) if len(options) == 1 else value
     base = origin or hint
+    if base is tuple and args and Ellipsis not in args:
+        return _fixed_tuple(name, value, args)
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),
@@ -556,7 +572,37 @@ def _typed(name: str, value: Any, hint: Any) -> Any:
     }.get(base, True)
     if not ok:
         want = _TYPE_NAMES.get(base, f"a list of {len(args)}" if base is tuple else str(hint))
-        raise ValueError(f"{name}={value!r} must be {want}")
+        raise ValueError(f"{name}={show(value)} must be {want}")
+    if base is int and not -MAX_INT - 1 <= value <= MAX_INT:
+        raise ValueError(f"{name}={show(value)} is too large: it must be a 64-bit integer (-2**63 to 2**63 - 1)")
     if base is float:
-        return float(value)
+        return _float(name, value)
     return dict(value) if base is dict else tuple(value) if base is tuple else value
+
+
+def _float(name: str, value: int | float) -> float:
+    """`value` as a float; an integer beyond the float range (about 1.8e308) is an error naming the key."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name}={show(value)} is too large: it must be a finite number (below 1.8e308)") from None
+
+
+def _fixed_tuple(name: str, value: Any, args: tuple) -> tuple:
+    """A list of exactly `len(args)` items of the types `args` (e.g. AdamW's betas), as a tuple."""
+    if not isinstance(value, list | tuple) or len(value) != len(args):
+        plural = _PLURALS.get(args[0], "values") if len(set(args)) == 1 else "values"
+        shown = show(list(value) if isinstance(value, tuple) else value)  # as the YAML list it was written as
+        raise ValueError(f"{name}={shown} must be a list of {len(args)} {plural}")
+    return tuple(_typed(f"{name}[{i}]", item, hint) for i, (item, hint) in enumerate(zip(value, args, strict=True)))
+
+
+def show(value: Any, limit: int = 80) -> str:
+    """`value` for an error message: its repr, an integer of more than 20 digits as its size, cut at `limit`."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**20:
+        try:
+            return f"<a {len(str(abs(value)))}-digit integer>"
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            return f"<an integer of more than {sys.get_int_max_str_digits()} digits>"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

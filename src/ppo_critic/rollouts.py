@@ -54,16 +54,22 @@ class _RowError(ValueError):
 
 
 def read_rollouts(
-    path: str | os.PathLike, vocab_size: int | None = None, tokenizer: str | os.PathLike | None = None
+    path: str | os.PathLike,
+    vocab_size: int | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    max_length: int | None = None,
 ) -> list[Rollout]:
     """Read every rollout of a `.jsonl` or `.parquet` file; raise ValueError naming the malformed rows.
 
     `vocab_size` bounds every token id (given or tokenised); `tokenizer` is a local tokenizer directory, loaded
-    only if a row carries text (`prompt` / `response`). `tokenizer_dir` picks it from the model config.
+    only if a row carries text (`prompt` / `response`). `tokenizer_dir` picks it from the model config. `max_length`
+    (the model's positions, `max_position_embeddings`) bounds each row's prompt + response tokens: a list of ids is
+    measured before its ids are checked one by one, text once tokenised; an overlong row is never collated.
     """
     name = os.fspath(path)
     rows, decode = _reader_for(name)
     _check_vocab_size(vocab_size)
+    _check_max_length(max_length)
     if not os.path.exists(name):
         raise FileNotFoundError(errno.ENOENT, "rollout file not found", name)
     text = Tokenizer(tokenizer)
@@ -71,7 +77,7 @@ def read_rollouts(
     bad: list[tuple[int, str]] = []
     for number, raw in rows(name):
         try:
-            rollouts.append(_parse_row(decode(raw), vocab_size, text))
+            rollouts.append(_parse_row(decode(raw), vocab_size, text, max_length))
         except _RowError as e:
             bad.append((number, str(e)))
     if bad:
@@ -100,6 +106,12 @@ def _suffix(path: str) -> str:
 def _check_vocab_size(vocab_size: int | None) -> None:
     if vocab_size is not None and (not _is_int(vocab_size) or vocab_size <= 0):
         raise ValueError(f"vocab_size must be a positive integer or None, got {vocab_size!r}")
+
+
+def _check_max_length(max_length: int | None) -> None:
+    """`max_length`, when given, leaves room for a prompt token and a response token."""
+    if max_length is not None and (not _is_int(max_length) or max_length < 2):
+        raise ValueError(f"max_length must be an integer >= 2 (a prompt and a response token), got {max_length!r}")
 
 
 def _describe_bad_rows(path: str, bad: list[tuple[int, str]]) -> str:
@@ -200,17 +212,47 @@ def _is_arrow_number(kind: Any) -> bool:
 # Row validation
 
 
-def _parse_row(row: Any, vocab_size: int | None, text: Tokenizer) -> Rollout:
+def _parse_row(row: Any, vocab_size: int | None, text: Tokenizer, max_length: int | None = None) -> Rollout:
+    """One row as a Rollout: its prompt (which leaves a position for the response), its response, its rewards."""
     if not isinstance(row, dict):
         raise _RowError(f"must be a JSON object with fields prompt_ids, response_ids, ..., got {_kind(row)}")
-    prompt_ids, response_ids = (_side(row, ids, field, vocab_size, text) for ids, field in _SIDES)
+    (prompt_ids_field, prompt_field), (response_ids_field, response_field) = _SIDES
+    budget = None if max_length is None else _Budget(max_length, max_length - 1)
+    prompt_ids = _side(row, prompt_ids_field, prompt_field, vocab_size, text, budget)
+    budget = None if max_length is None else _Budget(max_length, max_length - len(prompt_ids))
+    response_ids = _side(row, response_ids_field, response_field, vocab_size, text, budget)
     return Rollout(prompt_ids, response_ids, _rewards(row, len(response_ids)))
 
 
-def _side(row: dict[str, Any], ids_field: str, text_field: str, vocab_size: int | None, text: Tokenizer) -> list[int]:
+@dataclass(frozen=True)
+class _Budget:
+    """The model's positions (`max_length`) and how many of them a side of the row may still take (`room`)."""
+
+    max_length: int
+    room: int
+
+    def check(self, field: str, tokens: int) -> None:
+        """A row error naming `field` and the fix when its `tokens` do not fit in the room left."""
+        if tokens > self.room:
+            total = tokens + self.max_length - self.room
+            raise _RowError(
+                f"field {field!r} has {tokens} tokens, so the row has at least {total}, more than the "
+                f"model's {self.max_length} positions; use a model with max_position_embeddings >= {total}, or "
+                "shorter rows"
+            )
+
+
+def _side(
+    row: dict[str, Any],
+    ids_field: str,
+    text_field: str,
+    vocab_size: int | None,
+    text: Tokenizer,
+    budget: _Budget | None,
+) -> list[int]:
     """The token ids of one side (prompt or response): given in `ids_field`, or tokenised from `text_field`."""
     if row.get(text_field) is None:
-        return _token_ids(row, ids_field, text_field, vocab_size)
+        return _token_ids(row, ids_field, text_field, vocab_size, budget)
     if row.get(ids_field) is not None:
         raise _RowError(
             f"fields {ids_field!r} and {text_field!r} are both given, so the {text_field} is ambiguous; "
@@ -222,14 +264,20 @@ def _side(row: dict[str, Any], ids_field: str, text_field: str, vocab_size: int 
     ids = text.prompt(value) if text_field == "prompt" else text.response(value)
     if not ids:
         raise _RowError(f"field {text_field!r} must be text that tokenises to at least one token, got {_short(value)}")
+    if budget is not None:  # text has no cheap floor on its token count (an unknown word may be one token)
+        budget.check(text_field, len(ids))
     _check_range(text_field, ids, vocab_size, tokenised=True)
     return ids
 
 
-def _token_ids(row: dict[str, Any], field: str, text_field: str, vocab_size: int | None) -> list[int]:
+def _token_ids(
+    row: dict[str, Any], field: str, text_field: str, vocab_size: int | None, budget: _Budget | None = None
+) -> list[int]:
     if field not in row:
         raise _RowError(f"field {field!r} is missing; it {_IDS_EXPECTED} (or give field {text_field!r} as text)")
     value = row[field]
+    if budget is not None and (isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim == 1)):
+        budget.check(field, len(value))  # before any work per id
     items = _as_list(value)
     if not items:
         raise _RowError(f"field {field!r} {_IDS_EXPECTED}, got {_short(value)}")

@@ -8,17 +8,21 @@ ends the whole job at once instead of leaving the other ranks waiting in a colle
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ppo_critic.checkpoint import CheckpointDamaged, complete_checkpoints
 from ppo_critic.files import RunDirLock, move_aside, write_file
+from ppo_critic.runlog import METRICS_FILE
 
 CONFIG_FILE = "config.yaml"
+MARKER = ".ppo-critic-run"  # in every run directory from its first config.yaml on
+SCAN_LIMIT = 20_000  # directories looked into for run directories inside one a command would move aside or fill
 CHANGES_FILE = "config_changes.jsonl"
 # what `ppo-critic train` writes into a run directory (a directory holding any of these holds a run)
-MANAGED = (CONFIG_FILE, CHANGES_FILE, "metrics.jsonl", "curves.png", "checkpoints", "hf")
+MANAGED = (CONFIG_FILE, CHANGES_FILE, METRICS_FILE, "curves.png", "checkpoints", "hf")
 MANAGED += ("tensorboard", "tracking.json", "wandb", "mlruns")  # what the experiment loggers write
 # options a resumed run may change: applied from the step it resumes at, reported, and recorded in CHANGES_FILE
 CHANGEABLE_ON_RESUME = (
@@ -44,6 +48,22 @@ T = TypeVar("T")
 
 def holds_a_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in MANAGED)
+
+
+def same_options(options: dict[str, Any]) -> None:
+    """Under torchrun, every rank must run the same options: a rank started otherwise (another seed, rate, run
+    directory, data file, size) would train apart or abort in a collective. The keys that differ are named."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    flat = flat_options(options)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, flat)
+    keys = sorted({k for other in every for k in other.keys() | flat.keys() if other.get(k) != every[0].get(k)})
+    if keys:
+        listed = "; ".join(f"{k}: " + ", ".join(f"rank {r} {o.get(k)!r}" for r, o in enumerate(every)) for k in keys)
+        raise ValueError(f"the ranks were started with different options ({listed}); start every rank alike")
 
 
 def agree(lead: bool, action: Callable[[], T]) -> T | None:
@@ -111,6 +131,26 @@ def resume(ckpt_root: Path, resume: str, load: Callable[[Path], T], say: Callabl
     return None
 
 
+def check_nothing_to_lose(run_dir: Path) -> None:
+    """A run starting at step 0 in a directory whose metrics record steps (no checkpoint was saved: e.g.
+    `trainer.save_every=0`, killed before the last step) would replace them: refused, naming the way out."""
+    rows = _metrics_rows(run_dir / METRICS_FILE)
+    if rows:
+        raise ValueError(
+            f"{run_dir} records {rows} step(s) in {METRICS_FILE} but holds no checkpoint to resume them from (saved "
+            "every trainer.save_every steps; 0: at the last one only); starting again would replace them: pass "
+            "trainer.resume=never --overwrite to move the run aside and start afresh, or choose another trainer.run_dir"
+        )
+
+
+def _metrics_rows(path: Path) -> int:
+    """The number of rows of a metrics file (0 when it is absent)."""
+    if not path.is_file():
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
 def option_changes(run_dir: Path, current: dict[str, Any], changeable: tuple[str, ...]) -> dict[str, list[Any]]:
     """The options of this invocation that differ from the saved run's (`key: [saved, now]`): those in
     `changeable`; any other difference is an error listing them all."""
@@ -119,8 +159,8 @@ def option_changes(run_dir: Path, current: dict[str, Any], changeable: tuple[str
     saved_file = run_dir / CONFIG_FILE
     if not saved_file.is_file():
         return {}
-    saved = {**ADDED_OPTIONS, **_flat(yaml.safe_load(saved_file.read_text()) or {})}
-    now = {**ADDED_OPTIONS, **_flat(current)}
+    saved = {**ADDED_OPTIONS, **flat_options(yaml.safe_load(saved_file.read_text()) or {})}
+    now = {**ADDED_OPTIONS, **flat_options(current)}
     differ = {k: [saved.get(k), now.get(k)] for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)}
     differ = {k: v for k, v in differ.items() if k not in NOT_COMPARED}
     refused = {k: v for k, v in differ.items() if k not in changeable}
@@ -141,11 +181,12 @@ def record_changes(run_dir: Path, step: int, changes: dict[str, list[Any]]) -> N
     write_file(path, old + json.dumps({"step": step, "changed": changes}) + "\n")
 
 
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_options(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}` (an `override_config` stays one value)."""
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict) and value and key != "override_config":
-            out |= _flat(value, f"{prefix}{key}.")
+            out |= flat_options(value, f"{prefix}{key}.")
         else:
             out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
     return out
@@ -156,21 +197,74 @@ def _contents(run_dir: Path) -> list[str]:
 
 
 def is_run_dir(path: Path) -> bool:
-    return (Path(path) / CONFIG_FILE).is_file()
+    """A run directory, whatever its name: it holds our marker, or (a run written before the marker) a config.yaml."""
+    path = Path(path)
+    return (path / MARKER).is_file() or (path / CONFIG_FILE).is_file()
 
 
-def check_output(out: Path, kind: str, inputs: list[Path], run_dirs: list[Path], force: bool) -> Path | None:
-    """Refuse an output path that would destroy something: one inside (or above) a run directory, one that is an
-    input of the command, or an existing `kind` ("file" or "directory") — unless `force`, which replaces a file or
-    moves a directory aside (renamed, never deleted; returned). Never the run directory, even with `force`."""
-    target = Path(out).resolve()
-    for run in (Path(r).resolve() for r in run_dirs):
-        if target == run or run in target.parents:
+def mark(run_dir: Path, finished_step: int | None = None) -> None:
+    """Say in `run_dir` that it holds a run (written with its first config.yaml), and once its final outputs (curves,
+    HF export) are written, for which step."""
+    if finished_step is not None or not (run_dir / MARKER).is_file():
+        write_file(run_dir / MARKER, json.dumps({"ppo_critic_run": True, "finished_step": finished_step}) + "\n")
+
+
+def finished_step(run_dir: Path) -> int | None:
+    """The step whose final outputs the run last wrote, from its marker; None when not recorded (or unreadable)."""
+    try:
+        record = json.loads((run_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    step = record.get("finished_step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def runs_touched(path: Path, own: Path | None = None) -> list[tuple[str, Path]]:
+    """The run directories, other than `own`, whose files a command writing at `path` would touch: those it is or
+    lies in, and (a directory) those it holds; each as (how, run). Symlinks are followed, `..` resolved."""
+    target = Path(path).resolve()
+    own = Path(own).resolve() if own is not None else None
+    found = [("is" if run == target else "is inside", run) for run in (target, *target.parents) if is_run_dir(run)]
+    found += [("holds", run) for run in _runs_below(target)]
+    return [(how, run) for how, run in found if run != own]
+
+
+def _runs_below(root: Path) -> list[Path]:
+    """The first run directory strictly below `root` (symlinks not followed: moving `root` leaves their targets)."""
+    looked = 0
+    for parent, dirs, _ in os.walk(root):
+        looked += len(dirs)
+        if looked > SCAN_LIMIT:
             raise ValueError(
-                f"{out} is inside the run directory {run}, whose files ppo-critic manages; write elsewhere"
+                f"{root} holds more than {SCAN_LIMIT} directories, too many to check that no run directory is among "
+                "them; name a new or an empty directory"
             )
-        if target in run.parents:
-            raise ValueError(f"{out} holds the run directory {run}; write elsewhere")
+        runs = [Path(parent, d) for d in dirs if is_run_dir(Path(parent, d))]
+        if runs:
+            return runs[:1]
+    return []
+
+
+def check_place(path: Path, what: str, own: Path | None = None) -> None:
+    """Refuse `path` (named `what` in the message) when a command writing there would touch another run directory's
+    files, or replace the working directory (an empty or unset path reads as `.`)."""
+    target = Path(path).resolve()
+    if target == Path.cwd().resolve() or target in Path.cwd().resolve().parents:
+        raise ValueError(
+            f"{what}={str(path)!r} is the working directory or holds it (an empty or unset variable?); name a new "
+            "directory"
+        )
+    for how, run in runs_touched(target, own):
+        whose = ", whose files ppo-critic manages" if how != "holds" else ""
+        raise ValueError(f"{what}={path} {how} the run directory {run}{whose}; write elsewhere")
+
+
+def check_output(out: Path, kind: str, inputs: list[Path], force: bool) -> Path | None:
+    """Refuse an output path that would destroy something: the working directory, one in, at or above any run
+    directory, one that is an input of the command, or an existing `kind` ("file" or "directory") — unless `force`,
+    which replaces a file or moves a directory aside (renamed, never deleted; returned)."""
+    target = Path(out).resolve()
+    check_place(out, "out_dir" if kind == "directory" else "out")
     for source in inputs:
         if Path(source).exists() and target.exists() and target.samefile(source) and not force:
             raise ValueError(
@@ -186,8 +280,6 @@ def check_output(out: Path, kind: str, inputs: list[Path], run_dirs: list[Path],
         return None
     if target.is_dir() and not any(target.iterdir()):
         return None
-    if is_run_dir(target):
-        raise ValueError(f"{out} is a run directory; export elsewhere")
     if not force:
         raise ValueError(f"{out} exists and is not empty; choose a new directory, or pass --force to move it aside")
     return move_aside(target)

@@ -19,13 +19,14 @@ from torch import Tensor
 
 from ppo_critic import console, rundir
 from ppo_critic.algos import compute_gae_advantage_return, explained_variance, length_adaptive_lambda, masked_mean
-from ppo_critic.checkpoint import latest_checkpoint
+from ppo_critic.checkpoint import complete_checkpoints
 from ppo_critic.files import write_file
+from ppo_critic.parallel.mesh import init_distributed
 from ppo_critic.plots import plot_curves
 from ppo_critic.rundir import CHANGEABLE_ON_RESUME
 from ppo_critic.runlog import CURVES_FILE, METRICS_FILE, RunLog, read_metrics
 from ppo_critic.tasks import TASKS
-from ppo_critic.train_config import TrainConfig, TrainerConfig, resolve_model
+from ppo_critic.train_config import TrainConfig, TrainerConfig, max_row_tokens, resolve_model
 from ppo_critic.worker import CriticWorker, make_critic_worker
 
 
@@ -68,7 +69,8 @@ class FileSource:
         t = cfg.trainer
         self.collate = collate
         self.name = f"data={cfg.data}"
-        read = functools.partial(read_rollouts, tokenizer=tokenizer_dir(cfg.critic.model))
+        tokenizer, positions = tokenizer_dir(cfg.critic.model), max_row_tokens(cfg)
+        read = functools.partial(read_rollouts, tokenizer=tokenizer, max_length=positions)
         rows = read(cfg.data)
         if t.eval_data:
             eval_rows, self.rows = read(t.eval_data), rows
@@ -170,12 +172,15 @@ def train(
 
     t = cfg.trainer
     run_dir = Path(t.run_dir)
+    if init_distributed(t.dist_timeout_s):  # under torchrun: every rank checks the others' options before any work
+        rundir.same_options(cfg.to_dict())
     source = FileSource(cfg) if cfg.data else TaskSource(cfg)
     cfg = resolve_model(cfg, source.vocab_size, source.max_length)
     worker = make_worker(cfg)
     lead = worker.rank == 0
     out = out or sys.stdout
     say = functools.partial(print, file=out) if lead else lambda *_: None  # the first rank alone prints
+    rundir.agree(lead, lambda: rundir.check_place(run_dir, "trainer.run_dir", own=run_dir))  # before it is created
     lock = rundir.agree(lead, lambda: rundir.claim(run_dir, t.resume, overwrite, say))
     try:
         current = cfg.to_dict()
@@ -192,15 +197,19 @@ def train(
                 worker.set_learning_rate(cfg.critic.optim.lr)
             if changes:
                 say("options changed on resume: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+        if resumed is None and t.resume == "auto":
+            rundir.agree(lead, lambda: rundir.check_nothing_to_lose(run_dir))
         if worker.step >= t.steps:
-            return _complete(run_dir, worker.step, source.eval_name, say)
+            return _complete(worker, source, cfg, run_dir, say)
         if lead:  # after a successful resume only: a refused or failed one leaves the run's files as they were
             write_file(run_dir / rundir.CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(current)))
+            rundir.mark(run_dir)
             if resumed is not None and changes:
                 rundir.record_changes(run_dir, worker.step, changes)
         return _loop(worker, source, cfg, run_dir, out, on_step)
     except KeyboardInterrupt as interrupt:
-        newest = latest_checkpoint(run_dir / "checkpoints")
+        done = [c for c in complete_checkpoints(run_dir / "checkpoints") if int(c.name[5:]) <= worker.step]
+        newest = done[-1] if done else None  # not a damaged newer one that resume skipped
         where = f"step {newest.name.split('_')[-1].lstrip('0') or 0} ({newest})" if newest else "the start"
         raise Interrupted(
             f"interrupted at step {worker.step}; nothing partial was saved. Run the same command to resume from {where}"
@@ -221,12 +230,39 @@ def _load(worker: CriticWorker, source: TaskSource | FileSource, checkpoint: Pat
     return checkpoint
 
 
-def _complete(run_dir: Path, step: int, eval_name: str | None, say: Callable[[str], None]) -> dict[str, float]:
-    """A run already at its last step: say so, with its final metrics; nothing is written."""
+def _complete(
+    worker: CriticWorker, source: TaskSource | FileSource, cfg: TrainConfig, run_dir: Path, say: Callable[[str], None]
+) -> dict[str, float]:
+    """A run already at its last step: say so, with its final metrics. Nothing is written, unless the call that
+    saved the last checkpoint ended before the curves and the HF export (killed): they are written now."""
     rows = read_metrics(run_dir / METRICS_FILE)
     final = {k: v for k, v in (rows[-1] if rows else {}).items() if k != "step"}
-    say(console.summary("run complete", step, final, eval_name) + f" | {run_dir} (nothing to do)")
+    if rundir.finished_step(run_dir) == worker.step or _finished_before_the_marker(run_dir, cfg.trainer):
+        say(console.summary("run complete", worker.step, final, source.eval_name) + f" | {run_dir} (nothing to do)")
+        return final
+    _finish(worker, source, cfg, run_dir)
+    say(console.summary("done", worker.step, final, source.eval_name) + f" | {run_dir} (curves and export written)")
     return final
+
+
+def _finished_before_the_marker(run_dir: Path, t: TrainerConfig) -> bool:
+    """A run written before the marker recorded its finish: finished when what it would write at the end is there."""
+    if (run_dir / rundir.MARKER).is_file():
+        return False
+    curves = "jsonl" not in t.logger or (run_dir / CURVES_FILE).is_file()
+    return curves and (not t.export_hf or (run_dir / "hf").is_dir())
+
+
+def _finish(worker: CriticWorker, source: TaskSource | FileSource, cfg: TrainConfig, run_dir: Path) -> None:
+    """What a run writes once at its last step: the curves, the HF export, and in its marker that both are done."""
+    t = cfg.trainer
+    lead = worker.rank == 0
+    if lead and "jsonl" in t.logger:
+        plot_curves(run_dir / METRICS_FILE, run_dir / CURVES_FILE, run_title(cfg, source), source.eval_name)
+    if t.export_hf:
+        worker.export_hf(run_dir / "hf", replace=True)  # the run's own export, written by an earlier call
+    if lead:
+        rundir.mark(run_dir, finished_step=worker.step)
 
 
 def _loop(
@@ -266,10 +302,7 @@ def _loop(
         progress.close()
         if log is not None:
             log.close()
-    if lead and "jsonl" in t.logger:
-        plot_curves(run_dir / METRICS_FILE, run_dir / CURVES_FILE, run_title(cfg, source), source.eval_name)
-    if t.export_hf:
-        worker.export_hf(run_dir / "hf", replace=True)  # the run's own export, written by an earlier call
+    _finish(worker, source, cfg, run_dir)
     if lead:
         print(console.summary("done", worker.step, metrics, source.eval_name) + f" | {run_dir}", file=out)
     return metrics

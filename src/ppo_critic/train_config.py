@@ -6,19 +6,31 @@ Kept apart from `ppo_critic.train` so that loading, checking and describing opti
 
 from __future__ import annotations
 
+import codecs
 import copy
 import dataclasses
+import io
+import json
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ppo_critic.config import CriticConfig, OptimConfig, from_mapping
+from ppo_critic.config import CriticConfig, OptimConfig, from_mapping, show
 from ppo_critic.loggers import check_loggers
 from ppo_critic.modes import LENGTH_ADAPTIVE_SCOPES
 from ppo_critic.tasks import TASK_CONFIGS
 
 MAX_SEED = 2**62  # seeds of torch generators are 64-bit; the held-out set uses seed + a constant
+# torch.distributed turns a timeout into a deadline of int64 nanoseconds since the epoch, which end 292 years after
+# 1970: a timeout of at most 100 years keeps that deadline representable (and is still "forever" for a job)
+MAX_TIMEOUT_S = 100 * 365 * 24 * 3600.0
+# a rollout batch holds at least input_ids, attention_mask and position_ids over every token, int64 each
+TOKEN_BYTES = 3 * 8
+MIN_ROW_TOKENS = 2  # a rollout row has at least one prompt token and one response token
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
 # the model of a run without critic.model.path (vocab_size: the rollouts'), see resolve_model
 DEFAULT_MODEL = {
     "model_type": "qwen2",
@@ -168,6 +180,11 @@ class TrainConfig:
             )
         if not (isinstance(t.dist_timeout_s, int | float) and math.isfinite(t.dist_timeout_s) and t.dist_timeout_s > 0):
             raise ValueError(f"trainer.dist_timeout_s={t.dist_timeout_s} must be a positive number of seconds")
+        if t.dist_timeout_s > MAX_TIMEOUT_S:
+            raise ValueError(
+                f"trainer.dist_timeout_s={t.dist_timeout_s:g} is too large: torch.distributed keeps deadlines as int64 "
+                f"nanoseconds; use at most {MAX_TIMEOUT_S:g} seconds (100 years)"
+            )
         if not 0 <= t.seed <= MAX_SEED:
             raise ValueError(f"trainer.seed={t.seed} must be in [0, {MAX_SEED}]")
         if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
@@ -177,6 +194,32 @@ class TrainConfig:
         if t.eval_data is not None and self.data is None:
             raise ValueError("trainer.eval_data is read together with data=<rollout file>; set data, or unset it")
         t.logger = check_loggers(t.logger)  # known names, without repeats
+        self.check_sizes()
+
+    def check_sizes(self) -> None:
+        """Refuse, before anything runs, rollout batches that cannot fit in this machine's memory and task rows longer
+        than the model's positions (the rows of a data= file are checked as they are read)."""
+        t = self.trainer
+        if self.data is not None:  # held-out rows are at most the file's: only the training batch is new memory
+            blame = f"trainer.rollout_batch_size={t.rollout_batch_size}"
+            check_batch_memory(t.rollout_batch_size, MIN_ROW_TOKENS, blame, f"{t.rollout_batch_size} rollouts a step")
+            return
+        task_cfg = self.task_config()
+        tokens, length_key = task_row_tokens(task_cfg)
+        length = f"task.{length_key}={getattr(task_cfg, length_key)}"
+        positions = model_positions(self)
+        if positions is not None and tokens > positions[0]:
+            raise ValueError(
+                f"{length}: the task's rows reach at least {tokens} tokens, more than the model's {positions[0]} "
+                f"positions ({positions[1]}); use a model with max_position_embeddings >= {tokens}, or shorter rows"
+            )
+        rows = t.rollout_batch_size + t.eval_size
+        blame = length
+        if batch_bytes(rows, task_row_tokens(type(task_cfg)())[0]) > (host_memory() or math.inf):  # too many rows
+            name = "eval_size" if t.eval_size >= t.rollout_batch_size else "rollout_batch_size"
+            blame = f"trainer.{name}={getattr(t, name)}"
+        what = f"{rows} rollouts ({t.rollout_batch_size} a step and {t.eval_size} held out)"
+        check_batch_memory(rows, tokens, blame, what)
 
     def task_config(self) -> Any:
         """The task's own config dataclass, from `task` minus its `name`."""
@@ -209,4 +252,227 @@ def resolve_model(cfg: TrainConfig, vocab_size: int, max_length: int = 0) -> Tra
                 f"critic.model.override_config.vocab_size={model.override_config['vocab_size']} is smaller than "
                 f"the rollouts' vocabulary ({vocab_size} token ids)"
             )
+    rows = cfg.trainer.rollout_batch_size
+    blame = f"trainer.rollout_batch_size={rows}"
+    check_batch_memory(rows, max_length, blame, f"{rows} rollouts a step, padded to the longest row,")
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sizes: what the rows of a run take, against what the machine and the model can hold
+
+
+def task_row_tokens(task_cfg: Any) -> tuple[int, str]:
+    """At least how wide a built-in task's batches are (its longest prompt plus its longest response: every row is
+    padded to that), and the name of the longer of the two options."""
+    prompt_key = "max_prompt_len" if hasattr(task_cfg, "max_prompt_len") else "max_distractors"
+    prompt, response = getattr(task_cfg, prompt_key), task_cfg.max_response_len
+    return prompt + response, prompt_key if prompt >= response else "max_response_len"
+
+
+def model_positions(cfg: TrainConfig) -> tuple[int, str] | None:
+    """The most positions the value model takes and where that is set: critic.model.override_config's
+    max_position_embeddings, else the model directory's config.json's (its text config's for a multimodal model);
+    None for the built-in model without one (sized to the rollouts) or a directory without a readable config.json."""
+    model = cfg.critic.model
+    given = model.override_config.get("max_position_embeddings")
+    if given is not None:
+        return given, "critic.model.override_config.max_position_embeddings"
+    if model.path is None:
+        return None
+    config_file = Path(model.path) / "config.json"
+    try:
+        hf = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # the worker reports a model directory it cannot load
+        return None
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    for key in ("max_position_embeddings", "n_positions"):  # n_positions: GPT-2's name
+        value = text.get(key) if isinstance(text, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, f"{key} in {config_file}"
+    return None
+
+
+def max_row_tokens(cfg: TrainConfig) -> int | None:
+    """The longest rollout row the run's model takes (`read_rollouts(max_length=...)`): its positions; None for the
+    built-in model without max_position_embeddings, which is sized to the rows (`resolve_model`)."""
+    positions = model_positions(cfg)
+    return None if positions is None else positions[0]
+
+
+def batch_bytes(rows: int, tokens: int) -> int:
+    """The least memory `rows` rollouts padded to `tokens` tokens take: their token ids, masks and positions."""
+    return rows * tokens * TOKEN_BYTES
+
+
+def host_memory() -> int | None:
+    """Bytes of memory this process can ever have: the machine's physical memory (`os.sysconf`), or its cgroup's limit
+    when lower; None where neither is known. Rollout batches are built here, on the host, whatever the device."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system, or the names are unknown
+        total = 0
+    limits = [total] if total > 0 else []
+    for limit_file in CGROUP_LIMITS:
+        try:
+            limits.append(int(Path(limit_file).read_text().strip()))
+        except (OSError, ValueError):  # absent, or "max" (no limit)
+            continue
+    return min(limits) if limits else None
+
+
+def check_batch_memory(rows: int, tokens: int, blame: str, what: str) -> None:
+    """Raise ValueError naming `blame` (`key=value`, the option to lower) when `rows` rollouts of `tokens` tokens cannot
+    fit in this machine's memory even before the model runs (`what` says which rollouts)."""
+    need, have = batch_bytes(rows, tokens), host_memory()
+    if have is not None and need > have:
+        raise ValueError(
+            f"{blame}: {what} of at least {tokens} tokens need at least {_size(need)} of memory for their token ids, "
+            f"masks and positions alone, more than this machine's {_size(have)}; lower {blame.split('=')[0]}"
+        )
+
+
+def _size(n: float) -> str:
+    """Bytes in binary units, e.g. 23.5 GiB."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"]
+    while n >= 1024 and len(units) > 1:
+        n, units = n / 1024, units[1:]
+    return f"{n:.1f} {units[0]}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading options: defaults ← a YAML file ← key=value overrides
+
+
+def load_options(overrides: list[str], base: dict | None = None, file_options: Any = None) -> TrainConfig:
+    """Defaults (or `base`) ← `file_options` (`read_yaml_options`; a dict or an OmegaConf node) ← `key=value`
+    overrides (aliases expanded), checked key by key; every problem is one ValueError naming the key and the fix."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    merged = copy.deepcopy(base) if base is not None else TrainConfig().to_dict()
+    if file_options is not None:
+        options = OmegaConf.to_container(file_options) if OmegaConf.is_config(file_options) else file_options
+        merged = _merged(merged, options)
+    for override in overrides:
+        merged = _merged(merged, _read_override(override))
+    try:
+        plain = OmegaConf.to_container(OmegaConf.create(merged), resolve=True)
+    except OmegaConfBaseException as err:
+        raise ValueError(f"could not read the options: {_one_line(err)}") from err
+    return TrainConfig.from_mapping(plain)
+
+
+def read_yaml_options(path: Path) -> dict:
+    """The options of a `--config` file: a YAML mapping; anything else is a ValueError naming the file and the fix."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    text = _config_text(path)
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        huge = _huge_integer(root)
+        if huge is not None:
+            where, digits, mark = huge
+            raise ValueError(f"{path}:{mark.line + 1}:{mark.column + 1}: {where}{_too_many_digits(digits)}")
+        if root is not None and not isinstance(root, yaml.MappingNode):
+            kind = "a list" if isinstance(root, yaml.SequenceNode) else f"a single value ({show(root.value)})"
+            raise ValueError(
+                f"{path} holds {kind}, not options: a config file maps option names to values, e.g. 'trainer: "
+                "{steps: 100}' (see ppo-critic train --print-config)"
+            )
+        node = OmegaConf.load(io.StringIO(text))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ValueError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or _one_line(err)})") from err
+    except OmegaConfBaseException as err:
+        raise ValueError(f"{path}: {_one_line(err)}") from err
+    return OmegaConf.to_container(node)
+
+
+def _config_text(path: Path) -> str:
+    """The text of a `--config` file, UTF-8 (a byte-order mark allowed); a directory, a binary file or UTF-16/32 text
+    is an error saying so."""
+    if path.is_dir():
+        raise ValueError(f"--config {path} is a directory; give the YAML file of options (e.g. {path / 'config.yaml'})")
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    raw = path.read_bytes()
+    boms = {"UTF-32": (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE), "UTF-16": (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)}
+    for encoding, marks in boms.items():  # UTF-32 first: its little-endian mark starts with UTF-16's
+        if raw.startswith(marks):
+            raise ValueError(f"{path} is {encoding} text; save it as UTF-8 (e.g. iconv -f {encoding} -t UTF-8)")
+    if b"\0" in raw:
+        raise ValueError(
+            f"{path} is not a text file (it holds NUL bytes: binary, or UTF-16 without a byte-order mark); a config "
+            "file is YAML saved as UTF-8"
+        )
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        bad = f"byte {err.start} is 0x{raw[err.start]:02x}"
+        raise ValueError(f"{path} is not UTF-8 text ({bad}); a config file is YAML saved as UTF-8") from None
+
+
+def _read_override(override: str) -> dict:
+    """One `key=value` override as a nested dict, its value read as YAML; a ValueError naming it if it cannot be."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    key, value = override.split("=", 1)
+    try:
+        huge = _huge_integer(yaml.compose(value, Loader=yaml.SafeLoader))
+        if huge is not None:
+            raise ValueError(f"{key}{huge[0] and '.' + huge[0]}{_too_many_digits(huge[1])}".replace(".[", "["))
+        return OmegaConf.to_container(OmegaConf.from_dotlist([override]))
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or _one_line(err)
+        raise ValueError(f"{key}={show(value)} is not a valid YAML value ({problem})") from err
+    except OmegaConfBaseException as err:
+        raise ValueError(f"{show(override)} is not a valid key=value option ({_one_line(err)})") from err
+
+
+def _huge_integer(node: Any, key: str = "", seen: set[int] | None = None) -> tuple[str, int, Any] | None:
+    """The first YAML integer under `node` with more digits than Python reads: (its dotted key, digits, mark)."""
+    import yaml
+
+    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
+    seen = set() if seen is None else seen
+    if not limit or node is None or id(node) in seen:  # an alias repeats a node: look at it once
+        return None
+    seen.add(id(node))
+    if isinstance(node, yaml.ScalarNode):
+        digits = len(node.value.lstrip("+-").replace("_", ""))
+        return (key, digits, node.start_mark) if node.tag.endswith(":int") and digits > limit else None
+    if isinstance(node, yaml.MappingNode):
+        children = [(f"{key}.{getattr(name, 'value', '?')}".lstrip("."), child) for name, child in node.value]
+    else:
+        children = [(f"{key}[{i}]", child) for i, child in enumerate(node.value)]
+    for child_key, child in children:
+        found = _huge_integer(child, child_key, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _too_many_digits(digits: int) -> str:
+    """The end of the message for an integer longer than Python reads (sys.get_int_max_str_digits)."""
+    return f"=<a {digits}-digit integer> is too large to read: an integer option is 64-bit (below 2**63)"
+
+
+def _merged(base: Any, update: Any) -> Any:
+    """`update` over `base`: mappings merged key by key, anything else replaced (as OmegaConf merges, without its type
+    errors, so that a wrong type is reported by the option's own check)."""
+    if not (isinstance(base, dict) and isinstance(update, dict)):
+        return copy.deepcopy(update)
+    return {**base, **{k: _merged(base.get(k), v) if k in base else copy.deepcopy(v) for k, v in update.items()}}
+
+
+def _one_line(err: Exception) -> str:
+    """An OmegaConf or YAML error in one line: its first line, and the key it concerns when it names one."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    key = getattr(err, "full_key", None)
+    return f"{key}: {first}" if key else first

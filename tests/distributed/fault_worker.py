@@ -3,6 +3,8 @@ collective while rank 1 fails:
 - `raise`: rank 1 raises;
 - `hang`: rank 1 sleeps past the timeout;
 - `die`: rank 1 is killed (SIGKILL), as by the OOM killer or a lost node;
+- `options`: `ppo-critic train` where rank 1 was started with other options (its seed, and its model's size):
+  every rank refuses, naming the keys, before any model is built;
 - `bad-batch`: a CriticWorker job (DP=2, `dist_timeout_s`=timeout) where only rank 1's share of the global batch holds a
   NaN return, so rank 1 rejects it while rank 0 enters the update's collectives.
 With <pid_dir>, each rank first writes its process id there (the test checks that every rank is gone)."""
@@ -36,6 +38,14 @@ if mode == "bad-batch":
     worker.update_critic(batch)
     print(f"rank {dist.get_rank()} finished")  # must not happen
     sys.exit(0)
+if mode == "options":
+    from ppo_critic.cli import main
+    from test_train import SHORT
+
+    rank = int(os.environ["RANK"])
+    sizes = "{hidden_size: 64}" if rank == 0 else "{hidden_size: 128}"
+    argv = ["train", *SHORT, f"trainer.seed={rank}", f"trainer.run_dir={sys.argv[3]}/run"]
+    sys.exit(main([*argv, f"critic.model.override_config={sizes}"]))
 init_distributed(timeout_s=timeout_s)
 if dist.get_rank() == 1:
     if mode == "raise":

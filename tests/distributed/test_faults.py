@@ -45,3 +45,14 @@ def test_a_rank_that_dies_or_rejects_its_data_ends_every_rank(tmp_path, mode, me
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert elapsed < 90, elapsed
+
+
+def test_ranks_started_with_other_options_refuse_naming_each_key(tmp_path):
+    """Under torchrun every rank must run the same options: another seed would train apart silently, another model
+    size abort in a collective. Both ranks stop at once, exit 2, and say which keys differ."""
+    result = torchrun(str(HERE / "fault_worker.py"), "options", "30", str(tmp_path), timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "the ranks were started with different options (" in output, output[-4000:]
+    assert "trainer.seed: rank 0 0, rank 1 1" in output and "critic.model.override_config: rank 0" in output
+    assert not (tmp_path / "run").exists()  # refused before the run directory was created

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -34,15 +35,20 @@ def compute_dtype(config: CriticConfig, device: torch.device) -> torch.dtype:
 
 
 def meta_setting(meta: dict[str, Any], key: str, default: Any, kind: type) -> Any:
-    """A per-call setting from verl's `meta_info`: `default` when absent or None (verl's "not set")."""
+    """A bool or int setting from verl's `meta_info`; `default` when absent or None; another type is a TypeError."""
     value = meta.get(key)
     if value is None:
         return default
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"meta_info[{key!r}]={value!r} must be an integer or None")
-        return int(value)
-    return value
+    if kind is bool:
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(
+                f"meta_info[{key!r}]={value!r} ({type(value).__name__}) must be True, False or None (a Python bool, "
+                "as verl sets it)"
+            )
+        return bool(value)
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"meta_info[{key!r}]={value!r} ({type(value).__name__}) must be an integer or None")
+    return int(value)  # its range is checked where it is used (batching.py), naming the config keys too
 
 
 def empty_mini_batch(batch: Batch) -> Batch:
@@ -183,7 +189,7 @@ class PPOCriticBase:
         batch.validate()
         self._check_token_ids(batch)
         self._check_batch(batch)
-        use_dynamic = bool(meta_setting(batch.meta_info, "use_dynamic_bsz", self.config.use_dynamic_bsz, bool))
+        use_dynamic = meta_setting(batch.meta_info, "use_dynamic_bsz", self.config.use_dynamic_bsz, bool)
         micro_batch_size = meta_setting(
             batch.meta_info, "micro_batch_size", self.config.micro_batch_sizes(self.dp_size)[1], int
         )
