@@ -266,6 +266,7 @@ def main() -> None:
     parser.add_argument("--size", default="64m", help="the size of the tmpfs the run lives on")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    out = args.out.resolve() if args.out else None  # before the chdir onto the soak's disk
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "disk"
@@ -296,8 +297,8 @@ def main() -> None:
     }
     text = json.dumps(result, indent=1)
     print(text)
-    if args.out:
-        write_file(args.out, text + "\n")
+    if out:
+        write_file(out, text + "\n")
     sys.exit(1 if soak.violations else 0)
 
 
