@@ -35,7 +35,7 @@ import torch
 
 from ppo_critic import train as train_module
 from ppo_critic.cli import load_config
-from ppo_critic.files import write_file
+from ppo_critic.run.files import write_file
 from ppo_critic.train import train
 
 RESULTS = Path(__file__).resolve().parent / "results" / "suite"

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from ppo_critic.files import write_file
+from ppo_critic.run.files import write_file
 
 SCRIPT = Path(sys.executable).parent / "ppo-critic"  # the installed console script, what users run
 CLI = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ppo_critic"]

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ppo_critic.bench import make_worker, rollouts, run
-from ppo_critic.bench_config import VERL_PATHS, BenchConfig
-from ppo_critic.files import write_file
+from ppo_critic.config.bench import VERL_PATHS, BenchConfig
+from ppo_critic.run.files import write_file
+from ppo_critic.throughput import make_worker, resolved, rollouts, run
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_grid"
 # fp32: the CPU bench model; padded width -> prompt, response, rollouts, rows per fixed micro-batch (~8k padded
@@ -69,9 +69,9 @@ def measure(length: str, fill: float, batching: str, dtype: str, repeats: int) -
     update = {p: m["update_critic"] for p, m in summary["median"].items()}
     ours = max((p for p in update if p.split("+")[0] not in VERL_PATHS), key=update.get)
     verl = max((p for p in update if p.split("+")[0] in VERL_PATHS), key=update.get)
-    resolved = cfg.resolved()
-    data = rollouts(resolved.batch, resolved.prompt, resolved.response, fill, resolved.vocab, resolved.seed)
-    summary["bounds"] = {p: bounds(make_worker(resolved, p), data) for p in (ours, verl)}
+    options = resolved(cfg)
+    data = rollouts(options.batch, options.prompt, options.response, fill, options.vocab, options.seed)
+    summary["bounds"] = {p: bounds(make_worker(options, p), data) for p in (ours, verl)}
     return summary
 
 

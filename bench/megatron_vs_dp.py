@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ppo_critic.bench import BenchConfig, main
 from ppo_critic.parallel.mesh import resolve_device
+from ppo_critic.throughput import BenchConfig, main
 
 if __name__ == "__main__":
     options = ["paths=packed,megatron", *sys.argv[1:]]

@@ -1,4 +1,4 @@
-"""Speed of dynamic micro-batch partitioning (`ppo_critic.batching.dynamic_micro_batches`), and the two rules of
+"""Speed of dynamic micro-batch partitioning (`ppo_critic.data.batching.dynamic_micro_batches`), and the two rules of
 `balanced_partitions` side by side on the same rows: largest differencing (Karmarkar–Karp, O(n·k·log k)) and
 longest-first greedy (O(n log n)), with their micro-batch counts and max/min token loads.
 
@@ -11,7 +11,7 @@ import math
 import random
 import time
 
-from ppo_critic.batching import _largest_differencing, _longest_first, dynamic_micro_batches
+from ppo_critic.data.batching import _largest_differencing, _longest_first, dynamic_micro_batches
 
 CASES = ((1024, 4096), (4096, 16384), (65536, 262144))  # rows, token budget
 KK_MAX_ROWS = 4096  # largest differencing past this takes minutes

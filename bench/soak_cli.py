@@ -36,9 +36,9 @@ matplotlib.use("Agg")
 import torch
 
 import ppo_critic.cli as cli
-from ppo_critic.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
-from ppo_critic.files import LOCK_FILE, write_file
-from ppo_critic.runlog import read_metrics
+from ppo_critic.run.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
+from ppo_critic.run.files import LOCK_FILE, write_file
+from ppo_critic.run.runlog import read_metrics
 
 RUN_ARGS = [
     "trainer.rollout_batch_size=8",

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ppo_critic import DataParallelPPOCritic, build_value_model
-from ppo_critic.files import write_file
-from ppo_critic.parallel.fsdp import parallelize
+from ppo_critic.parallel.fsdp import shard
 from ppo_critic.parallel.mesh import init_distributed
+from ppo_critic.run.files import write_file
 
 
 def peak_rss_mib() -> float:
@@ -53,7 +53,7 @@ def main() -> None:
             "max_position_embeddings": args.tokens,
         }
     ).to(device)
-    model = parallelize(model, "fsdp2", device)
+    model = shard(model, "fsdp2", device)
     t, r = args.tokens, args.tokens // 2
     ids = torch.randint(0, 1024, (1, t), generator=torch.Generator().manual_seed(0))
     batch = {

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 # the verl suites need verl in an environment of their own: tests/with_verl/run.sh builds it and sets this variable
 collect_ignore = [] if os.environ.get("PPO_CRITIC_VERL_SUITE") else ["with_verl"]
+
+# tests mirror the package's folders; a test module imports another's helpers by its unique name
+# (`from test_packing import critic_pair`), wherever either lives, also when one file runs alone
+_HERE = Path(__file__).resolve().parent
+sys.path[1:1] = [
+    str(d) for d in sorted(_HERE.iterdir()) if d.is_dir() and any(d.glob("test_*.py")) and str(d) not in sys.path
+]
 
 TINY = {
     "hidden_size": 64,

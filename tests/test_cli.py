@@ -15,7 +15,7 @@ from conftest import FP32_REORDERED
 from ppo_critic import cli
 from ppo_critic import train as train_mod
 from ppo_critic.cli import load_config, main
-from ppo_critic.rollouts import collate, read_rollouts
+from ppo_critic.data.rollouts import collate, read_rollouts
 from ppo_critic.train import make_worker
 from test_rollouts import TEMPLATE, TEXT_IDS, TEXT_ROWS, id_rows, save_tokenizer
 from test_train import SHORT
@@ -115,7 +115,7 @@ def test_values_are_written_in_input_order(tmp_path, capsys):
 
     from omegaconf import OmegaConf
 
-    from ppo_critic.checkpoint import latest_checkpoint
+    from ppo_critic.run.checkpoint import latest_checkpoint
 
     worker = make_worker(load_config(None, [], base=OmegaConf.to_container(OmegaConf.load(run / "config.yaml"))))
     worker.load_checkpoint(latest_checkpoint(run / "checkpoints"))

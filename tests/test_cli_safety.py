@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from conftest import make_batch, state_hash, tiny_config
-from ppo_critic.checkpoint import latest_checkpoint, verify_checkpoint
 from ppo_critic.cli import main
-from ppo_critic.files import LOCK_FILE
+from ppo_critic.run.checkpoint import latest_checkpoint, verify_checkpoint
+from ppo_critic.run.files import LOCK_FILE
 from ppo_critic.worker import CriticWorker
 from test_files import tiny_disk
 from test_train import SHORT
@@ -237,7 +237,7 @@ def test_a_checkpoint_whose_state_lacks_a_key_changes_nothing(run):
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     del state["scheduler"]
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
-    from ppo_critic.checkpoint import _hashes
+    from ppo_critic.run.checkpoint import _hashes
 
     (checkpoint / "manifest.json").write_text(json.dumps(_hashes(checkpoint)))  # a consistent, but bad, state
     worker = CriticWorker({"ppo_mini_batch_size": 4, "model": {"override_config": {**tiny_config(), "vocab_size": 20}}})

@@ -27,13 +27,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import ppo_critic.checkpoint as ckpt
+import ppo_critic.run.checkpoint as ckpt
 from conftest import TINY, make_batch, state_hash, tiny_config, without_timings
 from ppo_critic import build_value_model
-from ppo_critic.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from ppo_critic.cli import main
-from ppo_critic.config import CriticConfig
-from ppo_critic.rollouts import read_rollouts
+from ppo_critic.config.critic import CriticConfig
+from ppo_critic.data.rollouts import read_rollouts
+from ppo_critic.run.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from ppo_critic.worker import CriticWorker
 from test_checkpoint import DAMAGES, contents
 from test_train import SHORT
@@ -67,7 +67,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot  # noqa: F401 - imported once here instead of in every run
-import ppo_critic.checkpoint as ckpt
+import ppo_critic.run.checkpoint as ckpt
 import ppo_critic.cli  # noqa: F401 - torch, transformers and the train loop, imported once
 
 KILL_STEP = "step_00000003"

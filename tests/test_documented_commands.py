@@ -381,8 +381,8 @@ def rollout_rows() -> list[dict]:
     """Rows of the counting task with `ppo-critic train`'s default task options (token ids fit its model)."""
     import torch
 
+    from ppo_critic.config.train import TrainConfig
     from ppo_critic.tasks import TASKS
-    from ppo_critic.train_config import TrainConfig
 
     config = TrainConfig()
     task = TASKS[config.task["name"]][0](config.task_config())
@@ -507,7 +507,7 @@ def test_extraction_and_rewrites(tmp_path):
     assert rewrite(["python", "examples/quickstart.py", "--steps", "2"], tmp_path) == [
         *(py, str(ROOT / "examples" / "quickstart.py"), "--steps", "2")
     ]
-    from ppo_critic.train_config import TrainerConfig
+    from ppo_critic.config.train import TrainerConfig
 
     assert TrainerConfig().run_dir == DEFAULT_RUN_DIR
 

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from conftest import state_hash, tiny_config
 from ppo_critic import DataParallelPPOCritic, build_value_model
-from ppo_critic.batch import Batch
-from ppo_critic.batching import dynamic_micro_batches, fixed_micro_batches, mini_batch_indices, restore_order
-from ppo_critic.packing import pack
+from ppo_critic.data.batch import Batch
+from ppo_critic.data.batching import dynamic_micro_batches, fixed_micro_batches, mini_batch_indices, restore_order
+from ppo_critic.data.packing import pack
 
 FAST = settings(max_examples=150, deadline=None)
 SLOW = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

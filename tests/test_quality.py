@@ -206,8 +206,8 @@ def test_ppo_epochs_reshuffle_every_epoch_deterministically(tiny_qwen2):
         cfg = {"ppo_mini_batch_size": 4, "ppo_epochs": 3, "shuffle": True, "data_loader_seed": seed}
         critic = DataParallelPPOCritic(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0))
         seen = []
-        original = critic._optimizer_step
-        critic._optimizer_step = lambda mini, *a: (seen.append(mini["input_ids"][:, 0].tolist()), original(mini, *a))
+        original = critic._train_mini_batch
+        critic._train_mini_batch = lambda mini, *a: (seen.append(mini["input_ids"][:, 0].tolist()), original(mini, *a))
         batch = make_batch(16, 6, 5, seed=4)
         batch["input_ids"][:, 0] = torch.arange(16)
         critic.update_critic(batch)
@@ -295,7 +295,7 @@ def test_the_ablation_baselines_are_verls_critic_whatever_ppo_critic_train_defau
     """The baselines pin every critic key, so changing the defaults of `ppo-critic train` cannot leak into them;
     the ablation's DEFAULT is what `ppo-critic train` runs; every suite task loads and all tasks are in it."""
     from ppo_critic.cli import load_config
-    from ppo_critic.config import OptimConfig
+    from ppo_critic.config.critic import OptimConfig
     from ppo_critic.tasks import TASK_CONFIGS
 
     ablation = _ablation()
@@ -314,8 +314,8 @@ def test_the_ablation_baselines_are_verls_critic_whatever_ppo_critic_train_defau
 
 
 def test_the_ablations_ceiling_regresses_on_the_true_values():
+    from ppo_critic.config.train import TrainerConfig
     from ppo_critic.tasks import DenseTask
-    from ppo_critic.train_config import TrainerConfig
 
     ablation = _ablation()
     task, seen = DenseTask(), {}

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from conftest import FakeDataProto, edited, make_batch, state_hash, tiny_config
 from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.cli import main
-from ppo_critic.files import LOCK_FILE
+from ppo_critic.run.files import LOCK_FILE
 from ppo_critic.train import train
 from ppo_critic.worker import CriticWorker, worker_config
 from test_train import SHORT, short_config

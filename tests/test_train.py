@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 
 from conftest import FP32_REORDERED, exported_values, without_timings
 from ppo_critic import train as train_mod
-from ppo_critic.checkpoint import latest_checkpoint
 from ppo_critic.cli import load_config
-from ppo_critic.rollouts import read_rollouts
+from ppo_critic.data.rollouts import read_rollouts
+from ppo_critic.run.checkpoint import latest_checkpoint
 from ppo_critic.train import evaluate, make_worker, train
 
 SHORT = [
@@ -235,8 +235,8 @@ class _Recorder:
 )
 def test_the_critics_targets_use_the_trainers_lambda(step, settings, lam):
     from ppo_critic.algos import compute_gae_advantage_return, length_adaptive_lambda
+    from ppo_critic.config.train import TrainerConfig
     from ppo_critic.tasks import CountingTask
-    from ppo_critic.train_config import TrainerConfig
 
     batch = CountingTask().sample(6, torch.Generator().manual_seed(0))
     values = torch.rand(batch["responses"].shape, generator=torch.Generator().manual_seed(1))
@@ -265,7 +265,7 @@ def test_the_critics_targets_use_the_trainers_lambda(step, settings, lam):
 
 
 def test_the_default_model_covers_the_longest_rollout():
-    from ppo_critic.train_config import DEFAULT_MODEL, resolve_model
+    from ppo_critic.config.train import DEFAULT_MODEL, resolve_model
 
     cfg = load_config(None, [])
     shape = resolve_model(cfg, 40, 300).critic.model.override_config

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import TINY, make_batch, state_hash
-from ppo_critic.config import CriticConfig, OptimConfig
-from ppo_critic.worker import CriticWorker, lr_schedule, per_rank_config
+from ppo_critic.config.critic import CriticConfig, OptimConfig, RankSizes
+from ppo_critic.worker import CriticWorker, lr_schedule
 
 
 def worker_config(**optim) -> dict:
@@ -36,26 +36,27 @@ def test_lr_schedule_warmup_then_cosine_to_the_floor():
         lr_schedule(OptimConfig(warmup_style="cosine"), total_steps=None)
 
 
-def test_per_rank_config_divides_global_sizes():
+def test_rank_sizes_divide_global_sizes():
     cfg = CriticConfig(ppo_mini_batch_size=16, rollout_n=2, ppo_micro_batch_size=8, forward_micro_batch_size=16)
-    rank = per_rank_config(cfg, dp_size=4)
-    assert rank.ppo_mini_batch_size == 8
-    assert (rank.ppo_micro_batch_size_per_gpu, rank.forward_micro_batch_size_per_gpu) == (2, 4)
-    assert rank.ppo_micro_batch_size is None and rank.forward_micro_batch_size is None
+    rank = RankSizes.over_ranks(cfg, dp_size=4)
+    assert rank.mini_batch == 8
+    assert (rank.micro_batch, rank.forward_micro_batch) == (2, 4)
+    assert (cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size, cfg.forward_micro_batch_size) == (16, 8, 16)  # as set
     with pytest.raises(ValueError, match="not divisible by the 3 data-parallel ranks"):
-        per_rank_config(CriticConfig(ppo_mini_batch_size=16), dp_size=3)
+        RankSizes.over_ranks(CriticConfig(ppo_mini_batch_size=16), dp_size=3)
 
 
 def test_per_rank_micro_batches_follow_verls_worker():
     """No micro-batch size: one micro-batch per rank's mini-batch, at any DP size that divides the global batch;
     a per-GPU size larger than a rank's share is refused naming the key the user set and the sizes involved."""
     for dp in (1, 2, 4, 8):
-        assert per_rank_config(CriticConfig(ppo_mini_batch_size=96), dp).micro_batch_sizes() == (96 // dp, 96 // dp)
+        rank = RankSizes.over_ranks(CriticConfig(ppo_mini_batch_size=96), dp)
+        assert (rank.micro_batch, rank.forward_micro_batch) == (96 // dp, 96 // dp)
     msg = r"critic.ppo_micro_batch_size_per_gpu=96 does not divide the per-GPU mini-batch of 48 rows .*over 2"
     with pytest.raises(ValueError, match=msg):
-        per_rank_config(CriticConfig(ppo_mini_batch_size=96, ppo_micro_batch_size_per_gpu=96), dp_size=2)
+        RankSizes.over_ranks(CriticConfig(ppo_mini_batch_size=96, ppo_micro_batch_size_per_gpu=96), dp_size=2)
     with pytest.raises(ValueError, match=r"critic.ppo_micro_batch_size=12 does not divide .* of 8 rows"):
-        per_rank_config(CriticConfig(ppo_mini_batch_size=16, ppo_micro_batch_size=12), dp_size=2)
+        RankSizes.over_ranks(CriticConfig(ppo_mini_batch_size=16, ppo_micro_batch_size=12), dp_size=2)
 
 
 def test_each_rank_takes_its_share_of_every_mini_batch_and_of_a_short_last_one():
@@ -165,7 +166,7 @@ def test_checkpoint_round_trip_restores_everything(tmp_path):
 
 
 def test_keep_last_n_and_failed_writes_leave_the_previous_checkpoint(tmp_path, monkeypatch):
-    import ppo_critic.checkpoint as ckpt
+    import ppo_critic.run.checkpoint as ckpt
 
     worker = CriticWorker(worker_config(), total_steps=10)
     batch = make_batch(8, 6, 5)

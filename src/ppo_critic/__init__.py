@@ -10,7 +10,7 @@ from typing import Any
 
 # public name -> the module that defines it
 _PUBLIC = {
-    "CriticConfig": "ppo_critic.config",
+    "CriticConfig": "ppo_critic.config.critic",
     "DataParallelPPOCritic": "ppo_critic.critics",
     "MegatronPPOCritic": "ppo_critic.critics",
     "build_value_model": "ppo_critic.models",

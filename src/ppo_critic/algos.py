@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ppo_critic.modes import LENGTH_ADAPTIVE_SCOPES, LOSS_AGG_MODES, VF_LOSS_TYPES
+from ppo_critic.config.modes import LENGTH_ADAPTIVE_SCOPES, LOSS_AGG_MODES, VF_LOSS_TYPES
 
 
 def _masked(x: Tensor, mask: Tensor) -> Tensor:

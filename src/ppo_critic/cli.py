@@ -1,7 +1,7 @@
 """`ppo-critic` (also `python -m ppo_critic`): train, values, bench, export.
 
 Configs are YAML files plus `key=value` overrides (OmegaConf dot-list) over the built-in defaults of
-`ppo_critic.train_config.TrainConfig`. Bad options exit with code 2 and a message that names the key. Help, the
+`ppo_critic.config.train.TrainConfig`. Bad options exit with code 2 and a message that names the key. Help, the
 version and option errors never import torch: the commands import what they run when they run.
 """
 
@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ppo_critic import options
-from ppo_critic.train_config import TrainConfig, load_options, read_yaml_options
+from ppo_critic.config import reference
+from ppo_critic.config.train import TrainConfig, load_options, read_yaml_options
 
 EXAMPLES = """examples:
   ppo-critic train                                   # the built-in counting task, tiny model, runs/default
@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command")
-    train_options = options.render_help(options.train_options(TrainConfig()), options.HELP_SECTIONS)
+    train_options = reference.render_help(reference.train_options(TrainConfig()), reference.HELP_SECTIONS)
     train = sub.add_parser(
         "train",
         help="train a critic on the built-in task or a rollout file",
@@ -123,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Valid tokens/s, MFU and peak memory of compute_values and update_critic for each path, and "
         "the ratio to the padded HF baseline measured in the same run. Defaults: the Qwen2.5-0.5B shape and "
         "32 x (512 + 1024) rollouts in bf16 on CUDA; a small model in fp32 on CPU.",
-        epilog=f"{OPTIONS_TITLE}\n{options.render_help(options.bench_options())}",
+        epilog=f"{OPTIONS_TITLE}\n{reference.render_help(reference.bench_options())}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. paths=padded,packed layers=4")
@@ -152,7 +152,7 @@ def _file_options(yaml_file: Path) -> Any:
     imports or runs code (`CODE_FREE`): opening a run directory's files runs no code, only this command line may."""
     from omegaconf import OmegaConf
 
-    from ppo_critic.rundir import CONFIG_FILE, is_run_dir
+    from ppo_critic.run.rundir import CONFIG_FILE, is_run_dir
 
     loaded = OmegaConf.create(read_yaml_options(yaml_file))
     if yaml_file.name == CONFIG_FILE and is_run_dir(yaml_file.resolve().parent) and OmegaConf.is_dict(loaded):
@@ -174,7 +174,7 @@ def _expand_alias(override: str) -> str:
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
-        print(options.render_yaml(cfg), end="")
+        print(reference.render_yaml(cfg), end="")
         return 0
     from ppo_critic.train import Interrupted, train
 
@@ -186,19 +186,19 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ppo_critic.bench_config import parse_options
+    from ppo_critic.config.bench import parse_options
 
     cfg = parse_options(args.overrides)  # a mistyped option is an error before torch is imported
 
-    from ppo_critic.bench import run_and_report
+    from ppo_critic.throughput import run_and_report
 
     run_and_report(cfg)
     return 0
 
 
 def _values(args: argparse.Namespace) -> int:
-    from ppo_critic.rollouts import collate, read_rollouts, tokenizer_dir, write_values
-    from ppo_critic.rundir import check_output
+    from ppo_critic.data.rollouts import collate, read_rollouts, tokenizer_dir, write_values
+    from ppo_critic.run.rundir import check_output
 
     pairs = dict(o.split("=", 1) for o in args.overrides if o.split("=", 1)[0] in ("data", "out"))
     if "data" not in pairs or "out" not in pairs:
@@ -223,7 +223,7 @@ def _values(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ppo_critic.rundir import check_output, is_run_dir
+    from ppo_critic.run.rundir import check_output, is_run_dir
 
     if not is_run_dir(args.run_dir):
         raise FileNotFoundError(f"{args.run_dir} is not a run directory (no config.yaml)")
@@ -244,8 +244,8 @@ def _worker_for(source: Path, overrides: list[str]) -> tuple[Any, TrainConfig]:
     """
     from omegaconf import OmegaConf
 
-    from ppo_critic.checkpoint import CheckpointDamaged, latest_checkpoint
-    from ppo_critic.rundir import is_run_dir
+    from ppo_critic.run.checkpoint import CheckpointDamaged, latest_checkpoint
+    from ppo_critic.run.rundir import is_run_dir
     from ppo_critic.train import make_worker
 
     if is_run_dir(source):

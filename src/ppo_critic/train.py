@@ -17,17 +17,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ppo_critic import console, rundir
 from ppo_critic.algos import compute_gae_advantage_return, explained_variance, length_adaptive_lambda, masked_mean
-from ppo_critic.checkpoint import complete_checkpoints
-from ppo_critic.files import write_file
+from ppo_critic.config.train import TrainConfig, TrainerConfig, max_row_tokens, resolve_model
 from ppo_critic.parallel.mesh import init_distributed
-from ppo_critic.plots import plot_curves
-from ppo_critic.rundir import CHANGEABLE_ON_RESUME
-from ppo_critic.runlog import CURVES_FILE, METRICS_FILE, RunLog, read_metrics
+from ppo_critic.run import console, rundir
+from ppo_critic.run.checkpoint import complete_checkpoints
+from ppo_critic.run.files import write_file
+from ppo_critic.run.plots import plot_curves
+from ppo_critic.run.rundir import CHANGEABLE_ON_RESUME
+from ppo_critic.run.runlog import CURVES_FILE, METRICS_FILE, RunLog, read_metrics
 from ppo_critic.tasks import TASKS
-from ppo_critic.train_config import TrainConfig, TrainerConfig, max_row_tokens, resolve_model
-from ppo_critic.worker import CriticWorker, make_critic_worker
+from ppo_critic.worker import CriticWorker
 
 
 class TaskSource:
@@ -64,7 +64,7 @@ class FileSource:
     seeded `trainer.eval_fraction` of the file's rows held out (up to `eval_size` of them evaluated), or none."""
 
     def __init__(self, cfg: TrainConfig):
-        from ppo_critic.rollouts import collate, read_rollouts, tokenizer_dir
+        from ppo_critic.data.rollouts import collate, read_rollouts, tokenizer_dir
 
         t = cfg.trainer
         self.collate = collate
@@ -134,9 +134,7 @@ def _same_source(name: str, state: dict[str, Any]) -> None:
 
 def make_worker(cfg: TrainConfig) -> CriticWorker:
     t = cfg.trainer
-    return make_critic_worker(
-        cfg.critic, total_steps=t.steps, device=t.device, seed=t.seed, dist_timeout_s=t.dist_timeout_s
-    )
+    return CriticWorker(cfg.critic, total_steps=t.steps, device=t.device, seed=t.seed, dist_timeout_s=t.dist_timeout_s)
 
 
 def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float) -> dict[str, float]:

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from cuda_contract import check_collective_devices
 from ppo_critic import DataParallelPPOCritic
-from ppo_critic.parallel.fsdp import parallelize
+from ppo_critic.parallel.fsdp import shard
 from ppo_critic.parallel.mesh import init_distributed
 
 STRATEGIES = ("none", "ddp", "fsdp", "fsdp2")
@@ -44,7 +44,7 @@ def main() -> None:
             for strategy in STRATEGIES:
                 for layout in layouts:
                     for packed in paddings:
-                        model = parallelize(copy.deepcopy(base), strategy, torch.device("cpu"))
+                        model = shard(copy.deepcopy(base), strategy, torch.device("cpu"))
                         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
                         cfg = {"ppo_mini_batch_size": 4, "grad_clip": None, "loss_agg_mode": mode, **layout}
                         critic = DataParallelPPOCritic(
@@ -71,7 +71,7 @@ def main() -> None:
                             }
                         )
     batch = {k: v[rank::world] for k, v in ref["cases"]["full"]["batch"].items()}
-    model = parallelize(copy.deepcopy(base), "fsdp2", torch.device("cpu"))
+    model = shard(copy.deepcopy(base), "fsdp2", torch.device("cpu"))
     critic = DataParallelPPOCritic(
         {"ppo_mini_batch_size": 4, "use_dynamic_bsz": True, "forward_max_token_len_per_gpu": 20},
         model,

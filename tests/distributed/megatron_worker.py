@@ -2,7 +2,7 @@
 
 argv: reference.pt, out.json, export_dir; MEGATRON_LAYOUTS (comma-separated names) picks layouts. On CUDA (NCCL)
 megatron runs as it is; on CPU its CUDA assumptions are redirected (tests/megatron_cpu.py). The reference
-(written by test_megatron.py) holds the batch, the worker config, and per batching mode the values, metrics,
+(written by test_megatron_model.py) holds the batch, the worker config, and per batching mode the values, metrics,
 weights before and after one update of the data-parallel critic. Rank 0 writes one row per layout × mode.
 """
 
@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ppo_critic.worker import MegatronCriticWorker
+from ppo_critic.worker import CriticWorker
 
 LAYOUTS = {  # name: (TP, PP, VPP); DP is what is left of the 4 processes
     "tp1pp1": (1, 1, None),
@@ -47,7 +47,7 @@ def as_verl_builds_it(name: str):
     if name != "tp2verl":
         yield
         return
-    import ppo_critic.models.megatron as models
+    import ppo_critic.worker.megatron as models  # where the worker looks the function up
 
     build = models.transformer_config
 
@@ -63,7 +63,7 @@ def as_verl_builds_it(name: str):
         models.transformer_config = build
 
 
-def update(worker: MegatronCriticWorker, name: str, batch: dict) -> dict:
+def update(worker: CriticWorker, name: str, batch: dict) -> dict:
     """`worker.update_critic`; for `tp2verl` the critic is called the way verl's megatron worker calls it."""
     if name != "tp2verl":
         return worker.update_critic(batch)
@@ -86,15 +86,15 @@ def run_layout(name: str, mode: str, ref: dict, export_dir: str) -> dict:
         "virtual_pipeline_model_parallel_size": vpp,
     }
     with as_verl_builds_it(name):
-        worker = MegatronCriticWorker(cfg, seed=0)
+        worker = CriticWorker(cfg, seed=0)
     assert worker.critic.tf_config.calculate_per_token_loss == (name != "tp2verl")
     expect = ref["modes"][mode]
-    before = worker.hf_state_dict()
+    before = worker.backend.hf_state_dict()
     exact = before.keys() == expect["before"].keys()
     round_trip = exact and all(torch.equal(v, expect["before"][k]) for k, v in before.items())
     values = worker.compute_values(ref["batch"])
     metrics = update(worker, name, ref["batch"])
-    after = worker.hf_state_dict()
+    after = worker.backend.hf_state_dict()
     values_after = worker.compute_values(ref["batch"])
     delta = torch.cat([(after[k] - before[k]).flatten() for k in expect["before"]])
     row = {
@@ -116,7 +116,7 @@ def run_layout(name: str, mode: str, ref: dict, export_dir: str) -> dict:
         bad = dict(ref["batch"], returns=torch.full_like(ref["batch"]["returns"], 3e38))
         skipped = worker.update_critic(bad)
         row["nonfinite_skipped"] = skipped["critic/skipped_steps"]
-        row["nonfinite_unchanged"] = all(torch.equal(after[k], v) for k, v in worker.hf_state_dict().items())
+        row["nonfinite_unchanged"] = all(torch.equal(after[k], v) for k, v in worker.backend.hf_state_dict().items())
     ps.destroy_model_parallel()
     return row
 

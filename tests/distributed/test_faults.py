@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from test_layouts import torchrun
 
 HERE = Path(__file__).resolve().parent

@@ -18,7 +18,7 @@ import yaml
 from conftest import make_batch, tiny_config, without_timings
 from distributed.test_layouts import torchrun
 from ppo_critic import build_value_model
-from ppo_critic.batch import Batch
+from ppo_critic.data.batch import Batch
 from ppo_critic.worker import CriticWorker
 
 pytest.importorskip("megatron.core")

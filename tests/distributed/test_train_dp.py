@@ -8,10 +8,10 @@ import shutil
 
 import torch
 from safetensors.torch import load_file
-from test_layouts import torchrun
 
 from ppo_critic.cli import load_config
 from ppo_critic.train import train
+from test_layouts import torchrun
 from test_train import SHORT
 
 FSDP2 = ["critic.strategy=fsdp2", "trainer.logger=[console,jsonl]"]

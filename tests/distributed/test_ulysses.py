@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_layouts import torchrun
 
 from conftest import make_batch, tiny_config
 from ppo_critic import DataParallelPPOCritic, build_value_model
+from test_layouts import torchrun
 
 HERE = Path(__file__).resolve().parent
 MODES = ("token-mean", "seq-mean-token-mean")

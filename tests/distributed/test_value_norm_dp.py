@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
-from test_layouts import HERE, torchrun
-from value_norm_cases import CASES, NO_EXPORT, RESUMED, batches
 
 from conftest import exported_values
 from ppo_critic.worker import CriticWorker
+from test_layouts import HERE, torchrun
+from value_norm_cases import CASES, NO_EXPORT, RESUMED, batches
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_dp2_matches_one_process(dp2, name):
     rank0, rank1 = (torch.tensor(s, dtype=torch.float64) for s in report[name]["stats"])
     assert torch.equal(rank0, rank1)  # every rank holds the same statistics
     # float64 sums of the same returns reduced over 2 ranks vs in one process: ~n·2**-53 relative (n <= 160), far
-    # below 1e-12 (see tests/test_value_norm.py); a statistic reduced wrongly is off by > 1e-3
+    # below 1e-12 (see tests/critics/test_value_norm.py); a statistic reduced wrongly is off by > 1e-3
     torch.testing.assert_close(rank0, torch.stack([norm.count, norm.mean, norm.var]), rtol=1e-12, atol=1e-12)
     if norm.enabled:
         assert rank0[0].item() == sum(b["attention_mask"][:, -5:].sum().item() for b in batches())
@@ -53,5 +53,5 @@ def test_dp2_matches_one_process(dp2, name):
     if name in NO_EXPORT:
         return
     got = exported_values(out / name, batch)  # merged / statistics folded in
-    # as tests/test_value_norm.py's export: folded statistics, reordered sums, returns 10-20 ± 4 here
+    # as tests/critics/test_value_norm.py's export: folded statistics, reordered sums, returns 10-20 ± 4 here
     torch.testing.assert_close(got, values, rtol=1e-5, atol=1e-4)

@@ -12,11 +12,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from layouts_worker import full_params
 
 from cuda_contract import check_collective_devices
+from layouts_worker import full_params
 from ppo_critic import DataParallelPPOCritic
-from ppo_critic.parallel.fsdp import parallelize
+from ppo_critic.parallel.fsdp import shard
 from ppo_critic.parallel.mesh import init_distributed, parallel_groups
 
 LAYOUTS = ({"ppo_micro_batch_size_per_gpu": 2}, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 12})
@@ -38,7 +38,7 @@ def main() -> None:
                 model = copy.deepcopy(entry["model"])
                 if checkpointing:  # the backward recomputes each layer's forward, all-to-alls included
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-                model = parallelize(model, strategy, torch.device("cpu"))
+                model = shard(model, strategy, torch.device("cpu"))
                 cfg = {"ppo_mini_batch_size": mini, "grad_clip": None, "loss_agg_mode": mode, **layout}
                 cfg |= {"ulysses_sequence_parallel_size": sp, "model": {"use_remove_padding": True}}
                 critic = DataParallelPPOCritic(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1))

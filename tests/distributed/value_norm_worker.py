@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from value_norm_cases import CASES, NO_EXPORT, RESUMED, batches
 
 from cuda_contract import check_collective_devices
 from ppo_critic.worker import CriticWorker
+from value_norm_cases import CASES, NO_EXPORT, RESUMED, batches
 
 
 def main() -> None:

@@ -8,16 +8,16 @@
 # or megatron-core (config and option parsing, file and run-directory safety, rollout files, plots, console and
 # logger output, docs). A new test module runs here unless it is added to SAME_ON_EVERY_STACK. The excluded
 # test_documented_commands (docs; ~7 of the ~16 min the whole suite takes here on 2 cores) re-runs CLI paths
-# that test_cli, test_train, test_bench and tests/distributed already run in this environment.
+# that test_cli, test_train, test_throughput and tests/distributed already run in this environment.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 venv=.venv-gpu-stack
 reqs=tests/with_gpu_stack/requirements.txt
 SAME_ON_EVERY_STACK=(
-  test_config test_options test_verl_config test_integrations_hooks  # parsing config, options, verl spellings
-  test_files test_cli_safety test_rundir test_runlog                 # durable writes, run-directory rules
-  test_rollouts test_plots test_console test_loggers                 # rollout files, outputs
-  test_documented_commands test_gpu_harness                          # docs, bench/gpu scripts
+  config/test_critic config/test_reference config/test_verl integrations/test_hooks  # config, options, verl spellings
+  run/test_files test_cli_safety run/test_rundir run/test_runlog                     # durable writes, run-directory rules
+  data/test_rollouts run/test_plots run/test_console run/test_loggers                # rollout files, outputs
+  test_documented_commands test_gpu_harness test_design_doc                          # docs, bench/gpu scripts
 )
 stamp="$(cat "$reqs" pyproject.toml | sha256sum | cut -c1-16)"
 if [ "$(cat "$venv/.stamp" 2>/dev/null)" != "$stamp" ]; then

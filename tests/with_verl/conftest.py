@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from verl_shared import init_single_process, save_tiny_critic
 
 

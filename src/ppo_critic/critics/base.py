@@ -16,22 +16,15 @@ import torch
 from torch import Tensor
 
 from ppo_critic.algos import compute_value_loss
-from ppo_critic.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
-from ppo_critic.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_indices
-from ppo_critic.config import CriticConfig
-from ppo_critic.ema import ParameterEMA
-from ppo_critic.parallel.collectives import all_reduce
-from ppo_critic.parallel.mesh import default_dtype
-from ppo_critic.perf import ModelShape, PhaseTimer, perf_metrics
-from ppo_critic.value_norm import ValueNormalizer
+from ppo_critic.config.critic import CriticConfig, RankSizes
+from ppo_critic.critics.ema import ParameterEMA
+from ppo_critic.critics.perf import ModelShape, PhaseTimer, perf_metrics
+from ppo_critic.critics.value_norm import ValueNormalizer
+from ppo_critic.data.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
+from ppo_critic.data.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_indices
+from ppo_critic.parallel import collectives
 
 UPDATE_KEYS = (*MODEL_KEYS, "response_mask", *TARGET_KEYS, MULTI_MODAL)
-
-
-def compute_dtype(config: CriticConfig, device: torch.device) -> torch.dtype:
-    """The autocast dtype: `config.dtype`, else bf16 on CUDA and fp32 elsewhere."""
-    name = config.torch_dtype_name
-    return default_dtype(device) if name is None else getattr(torch, name)
 
 
 def meta_setting(meta: dict[str, Any], key: str, default: Any, kind: type) -> Any:
@@ -161,12 +154,16 @@ class Perf:
 class PPOCriticBase:
     """The backend-independent critic: epochs → mini-batches → micro-batches → one step (DESIGN §3).
 
-    A backend sets `config`, `device`, `dp_group`, `dp_size`, `sp_size` and `perf`, and implements `_values`
-    (the forward of all micro-batches), `_optimizer_step`, `_set_training` and `_lr`. After `compute_values`,
+    A backend sets `config`, `sizes` (this rank's), `device`, `dp_group`, `dp_size`, `sp_size` and `perf`, and
+    implements `_values` (the forward of all micro-batches), `_train_mini_batch`, `set_training` and
+    `learning_rate`. The public step-level calls (`check_token_ids`, `micro_batches`, `all_reduce`,
+    `set_training`, `learning_rate`, and the data-parallel critic's `forward_backward` / `optimizer_step`) are
+    what an engine driving its own loop uses (`ppo_critic.integrations.verl_engine`). After `compute_values`,
     `last_compute_metrics` holds its `perf/compute_values_*` metrics (this rank's).
     """
 
     config: CriticConfig
+    sizes: RankSizes
     device: torch.device
     dp_group: Any = None
     dp_size: int = 1
@@ -187,18 +184,16 @@ class PPOCriticBase:
         """
         batch = Batch.from_any(data)
         batch.validate()
-        self._check_token_ids(batch)
+        self.check_token_ids(batch)
         self._check_batch(batch)
         use_dynamic = meta_setting(batch.meta_info, "use_dynamic_bsz", self.config.use_dynamic_bsz, bool)
-        micro_batch_size = meta_setting(
-            batch.meta_info, "micro_batch_size", self.config.micro_batch_sizes(self.dp_size)[1], int
-        )
-        max_token_len = meta_setting(batch.meta_info, "max_token_len", self.config.forward_max_token_len, int)
+        micro_batch_size = meta_setting(batch.meta_info, "micro_batch_size", self.sizes.forward_micro_batch, int)
+        max_token_len = meta_setting(batch.meta_info, "max_token_len", self.sizes.forward_max_token_len, int)
         max_token_len *= self.sp_size
         start = time.perf_counter()
         batch = batch.select((*MODEL_KEYS, "response_mask", MULTI_MODAL)).to(self.device, non_blocking=True)
-        groups = self._micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
-        self._set_training(False)
+        groups = self.micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
+        self.set_training(False)
         with self.averaged_weights():
             values = self.value_norm.denormalise(self._values(batch, groups))
         values = torch.where(batch.response_mask.bool(), values, 0.0).float().cpu()
@@ -216,28 +211,28 @@ class PPOCriticBase:
         cfg = self.config
         batch = Batch.from_any(data)
         batch.validate(require_targets=True)
-        self._check_token_ids(batch)
+        self.check_token_ids(batch)
         self._check_batch(batch)
-        max_token_len = cfg.ppo_max_token_len_per_gpu * self.sp_size
+        max_token_len = self.sizes.max_token_len * self.sp_size
         if cfg.use_dynamic_bsz:
             check_token_budget(batch["attention_mask"].sum(-1), max_token_len)
         batch = batch.select(UPDATE_KEYS).to(self.device, non_blocking=True)
         targets = self._normalised_targets(batch)
         # every DP rank takes the same number of steps: a rank whose share ran out of rows (a short last
         # mini-batch) steps with an empty mini-batch, so the collectives of the others are matched
-        local_steps = math.ceil(len(batch) / cfg.ppo_mini_batch_size)
-        steps = int(self._all_reduce(torch.tensor(local_steps, device=self.device), "max"))
+        local_steps = math.ceil(len(batch) / self.sizes.mini_batch)
+        steps = int(self.all_reduce(torch.tensor(local_steps, device=self.device), "max"))
         metrics = UpdateMetrics(self.device)
-        self._set_training(True)
+        self.set_training(True)
         start = time.perf_counter()
         for epoch in range(cfg.ppo_epochs):
             minis = mini_batch_indices(
-                len(batch), cfg.ppo_mini_batch_size, shuffle=cfg.shuffle, seed=cfg.data_loader_seed, epoch=epoch
+                len(batch), self.sizes.mini_batch, shuffle=cfg.shuffle, seed=cfg.data_loader_seed, epoch=epoch
             )
             for rows in minis:
-                self._optimizer_step(targets.index(rows), metrics, max_token_len)
+                self._train_mini_batch(targets.index(rows), metrics, max_token_len)
             for _ in range(steps - len(minis)):
-                self._optimizer_step(empty_mini_batch(targets), metrics, max_token_len)
+                self._train_mini_batch(empty_mini_batch(targets), metrics, max_token_len)
         return self._metrics(metrics, batch, time.perf_counter() - start)
 
     def _normalised_targets(self, batch: Batch) -> Batch:
@@ -248,15 +243,17 @@ class PPOCriticBase:
             return batch
         if norm.mode == "popart":
             with self._value_head() as head:
-                norm.update(batch["returns"], batch.response_mask, self._all_reduce, head)
+                norm.update(batch["returns"], batch.response_mask, self.all_reduce, head)
         else:
-            norm.update(batch["returns"], batch.response_mask, self._all_reduce)
+            norm.update(batch["returns"], batch.response_mask, self.all_reduce)
         tensors = batch.tensors | {key: norm.normalise(batch[key]) for key in TARGET_KEYS}
         return Batch(tensors, batch.non_tensors, batch.meta_info)
 
     def _metrics(self, metrics: UpdateMetrics, batch: Batch, elapsed_s: float) -> dict[str, float]:
         """`critic/*` in raw return space (the loss excepted: it is in normalised space under `value_norm`)."""
-        result = metrics.result(batch, self._lr(), elapsed_s, self.config.ppo_epochs, self._all_reduce, self.perf)
+        result = metrics.result(
+            batch, self.learning_rate(), elapsed_s, self.config.ppo_epochs, self.all_reduce, self.perf
+        )
         if self.value_norm.enabled:
             mean, std = self.value_norm.mean.item(), self.value_norm.std.item()
             result["critic/vpred_mean"] = mean + std * result["critic/vpred_mean"]
@@ -284,7 +281,7 @@ class PPOCriticBase:
         """The model's `Linear(hidden, 1)` value head, editable in place inside the context (for PopArt)."""
         raise NotImplementedError(f"{type(self).__name__} does not support value_norm=popart")
 
-    def _check_token_ids(self, batch: Batch) -> None:
+    def check_token_ids(self, batch: Batch) -> None:
         """Token ids must index the model's vocabulary (checked before any step, not in a later mini-batch)."""
         largest = int(batch["input_ids"].max()) if batch["input_ids"].numel() else -1
         if self.vocab_size is not None and largest >= self.vocab_size:
@@ -300,13 +297,13 @@ class PPOCriticBase:
     def _values(self, batch: Batch, groups: list[list[int]]) -> Tensor:
         raise NotImplementedError
 
-    def _optimizer_step(self, mini_batch: Batch, metrics: UpdateMetrics, max_token_len: int) -> None:
+    def _train_mini_batch(self, mini_batch: Batch, metrics: UpdateMetrics, max_token_len: int) -> None:
         raise NotImplementedError
 
-    def _set_training(self, mode: bool) -> None:
+    def set_training(self, mode: bool) -> None:
         raise NotImplementedError
 
-    def _lr(self) -> float:
+    def learning_rate(self) -> float:
         raise NotImplementedError
 
     def _micro_batch_loss(
@@ -332,21 +329,21 @@ class PPOCriticBase:
 
     def _loss_is_finite(self, step_loss: Tensor) -> bool:
         """Whether the step's loss is finite on every data-parallel rank (all ranks then skip together)."""
-        return bool(torch.isfinite(self._all_reduce(step_loss.detach().double())).all())
+        return bool(torch.isfinite(self.all_reduce(step_loss.detach().double())).all())
 
     def _loss_denominators(self, mini_batch: Batch) -> dict[str, Tensor]:
         """The global denominators of DESIGN §3: this mini-batch's counts summed over the DP ranks."""
-        return {k: self._all_reduce(v) for k, v in local_loss_denominators(mini_batch.response_mask).items()}
+        return {k: self.all_reduce(v) for k, v in local_loss_denominators(mini_batch.response_mask).items()}
 
-    def _all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
+    def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
         """`op` (sum, max or min) of `x` over the data-parallel ranks; `x` itself in a single process."""
-        return x if self.dp_size == 1 else all_reduce(x, op, self.dp_group)
+        return x if self.dp_size == 1 else collectives.all_reduce(x, op, self.dp_group)
 
-    def _micro_batches(self, batch: Batch, dynamic: bool, size: int, max_token_len: int) -> list[list[int]]:
+    def micro_batches(self, batch: Batch, dynamic: bool, size: int, max_token_len: int) -> list[list[int]]:
         """Row groups of the micro-batches; every DP rank gets the same number (empty groups pad the count)."""
         lens = batch["attention_mask"].sum(-1)
         groups = dynamic_micro_batches(lens, max_token_len) if dynamic else fixed_micro_batches(len(batch), size)
-        count = int(self._all_reduce(torch.tensor(len(groups), device=self.device), op="max"))
+        count = int(self.all_reduce(torch.tensor(len(groups), device=self.device), op="max"))
         count = -(-count // self.micro_batch_multiple) * self.micro_batch_multiple
         if count > len(groups) and dynamic:
             groups = dynamic_micro_batches(lens, max_token_len, min_num_micro_batches=count)

@@ -8,41 +8,76 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ppo_critic.attention import packed_blocker, use_packed_attention
-from ppo_critic.batch import MULTI_MODAL, Batch
-from ppo_critic.batching import restore_order
-from ppo_critic.config import CriticConfig
-from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics, compute_dtype
-from ppo_critic.ema import ParameterEMA
-from ppo_critic.models.hf import find_value_head, token_values
-from ppo_critic.packing import pack
+from ppo_critic.config.critic import CriticConfig, RankSizes
+from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics
+from ppo_critic.critics.ema import ParameterEMA
+from ppo_critic.critics.perf import ModelShape, PhaseTimer
+from ppo_critic.critics.value_norm import ValueNormalizer
+from ppo_critic.data.batch import MULTI_MODAL, Batch
+from ppo_critic.data.batching import restore_order
+from ppo_critic.data.packing import pack
+from ppo_critic.models.attention import packed_blocker, use_packed_attention
+from ppo_critic.models.hf import find_value_head, token_values, unwrap
 from ppo_critic.parallel.fsdp import average_plain_gradients, clip_grad_norm
-from ppo_critic.parallel.mesh import parallel_groups
+from ppo_critic.parallel.mesh import Groups, compute_dtype, parallel_groups
 from ppo_critic.parallel.ulysses import check_heads_of, gather_sequence, sequence_parallel
-from ppo_critic.perf import ModelShape, PhaseTimer
-from ppo_critic.value_norm import ValueNormalizer
 
 log = logging.getLogger(__name__)
+
+# (micro-batch, its rows in the batch ([] for a stand-in that keeps the ranks in step), per-token values [b, T] with
+# their graph) -> the loss to backpropagate, over the mini-batch's global denominators
+MicroLoss = Callable[[Batch, list[int], Tensor], Tensor]
+
+
+@dataclass
+class MicroResult:
+    """What one micro-batch of `forward_backward` gave: its rows, its per-token values [b, T] and its loss."""
+
+    rows: list[int]
+    values: Tensor
+    loss: Tensor | None
+
+
+def _untimed(_phase: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 class DataParallelPPOCritic(PPOCriticBase):
     """PPO value-model trainer: `compute_values(batch)` and `update_critic(batch)` (DESIGN §2–3)."""
 
     def __init__(self, config: Any, critic_module: nn.Module, critic_optimizer: torch.optim.Optimizer):
-        self.config = CriticConfig.from_any(config)
+        """verl's constructor: `config` in any form (checked here) with this rank's sizes, as verl's workers hand it
+        over; the process groups from torch.distributed."""
+        config = CriticConfig.from_any(config)
+        groups = parallel_groups(config.ulysses_sequence_parallel_size)
+        self._build(config, RankSizes.as_given(config, groups.dp_size), groups, critic_module, critic_optimizer)
+
+    @classmethod
+    def of(
+        cls, config: CriticConfig, sizes: RankSizes, groups: Groups, module: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> DataParallelPPOCritic:
+        """For a caller that checked `config` and built the sizes and groups (`CriticWorker`): nothing re-derived."""
+        critic = cls.__new__(cls)
+        critic._build(config, sizes, groups, module, optimizer)
+        return critic
+
+    def _build(
+        self, config: CriticConfig, sizes: RankSizes, groups: Groups, critic_module: nn.Module, critic_optimizer: Any
+    ) -> None:
+        self.config, self.sizes, self.groups = config, sizes, groups
         self.critic_module = critic_module
         self.critic_optimizer = critic_optimizer
         self.device = next(critic_module.parameters()).device
-        self.compute_dtype = compute_dtype(self.config, self.device)
+        self.compute_dtype = compute_dtype(self.config.torch_dtype_name, self.device)
         self.sp_size = self.config.ulysses_sequence_parallel_size
         self.use_remove_padding = self._packs()
-        self.groups = parallel_groups(self.sp_size)
         self.dp_group, self.dp_size = self.groups.dp_group, self.groups.dp_size
         if self.sp_size > 1:
             check_heads_of(critic_module, self.sp_size)
@@ -56,7 +91,7 @@ class DataParallelPPOCritic(PPOCriticBase):
             self.ema = ParameterEMA(critic_module, self.config.ema_decay, self.config.ema_warmup)
         if self.value_norm.mode == "popart" and getattr(*find_value_head(critic_module)).bias is None:
             raise ValueError("value_norm=popart needs a value head with a bias (the mean shift goes there)")
-        inner = getattr(critic_module, "module", critic_module)  # DDP / FSDP1
+        inner = unwrap(critic_module)  # DDP / FSDP1 / peft
         hf_config = getattr(inner, "config", None)
         shape = ModelShape.from_hf(hf_config) if hf_config is not None else None
         self.perf = Perf(shape, self.groups.world_size, self.device, self.compute_dtype)
@@ -90,7 +125,7 @@ class DataParallelPPOCritic(PPOCriticBase):
         kept = [(o, g) for o, g in zip(outputs, groups, strict=True) if g]
         return restore_order([o for o, _ in kept], [g for _, g in kept])
 
-    def _set_training(self, mode: bool) -> None:
+    def set_training(self, mode: bool) -> None:
         self.critic_module.train(mode)
 
     @contextlib.contextmanager
@@ -114,36 +149,58 @@ class DataParallelPPOCritic(PPOCriticBase):
         if hasattr(self.critic_module, "reshard"):  # FSDP2's FSDPModule
             self.critic_module.reshard()
 
-    def _lr(self) -> float:
+    def learning_rate(self) -> float:
         return self.critic_optimizer.param_groups[0]["lr"]
 
-    def _optimizer_step(self, mini_batch: Batch, metrics: UpdateMetrics, max_token_len: int) -> None:
+    def _train_mini_batch(self, mini_batch: Batch, metrics: UpdateMetrics, max_token_len: int) -> None:
         """Accumulate the gradient of one mini-batch over its micro-batches, clip, and step (or skip)."""
         cfg = self.config
-        timer = metrics.timer
-        with timer("collective"):
+        with metrics.timer("collective"):
             norm = self._loss_denominators(mini_batch)
         # gradients are averaged over all dp × sp ranks; each sp rank holds part of the same loss
         norm |= {"dp_size": self.groups.world_size, "loss_scale_factor": cfg.loss_scale_factor}
+
+        def value_loss(micro: Batch, rows: list[int], token_values: Tensor) -> Tensor:
+            vpreds = token_values[:, -micro.response_length - 1 : -1]
+            return self._micro_batch_loss(micro, bool(rows), vpreds, norm, metrics)
+
         self.critic_optimizer.zero_grad(set_to_none=True)
-        step_loss = torch.zeros((), device=self.device)
-        micro_size = cfg.micro_batch_sizes(self.dp_size)[0]
-        for rows in self._micro_batches(mini_batch, cfg.use_dynamic_bsz, micro_size, max_token_len):
-            micro = mini_batch.index(rows or [0])  # an empty group runs with zero weight, so ranks stay in step
-            with timer("forward"):
-                loss = self._micro_batch_loss(micro, bool(rows), self._forward_micro_batch(micro), norm, metrics)
-            with timer("backward"), self.sequence_parallel():  # + DDP's / FSDP's gradient reduction
-                loss.backward()
-            step_loss += loss.detach()
-        grad_norm = self.apply_gradients(self._loss_is_finite(step_loss), timer)
+        groups = self.micro_batches(mini_batch, cfg.use_dynamic_bsz, self.sizes.micro_batch, max_token_len)
+        results = self.forward_backward(mini_batch, groups, value_loss, timer=metrics.timer)
+        step_loss = sum((m.loss for m in results), torch.zeros((), device=self.device))
+        grad_norm = self.optimizer_step(self._loss_is_finite(step_loss), metrics.timer)
         metrics.add_step(step_loss / self.groups.world_size, grad_norm)
 
-    def apply_gradients(self, loss_is_finite: bool, timer: PhaseTimer | None = None) -> Tensor:
+    def forward_backward(
+        self,
+        batch: Batch,
+        groups: list[list[int]],
+        loss_fn: MicroLoss | None,
+        backward: bool = True,
+        timer: PhaseTimer | None = None,
+    ) -> list[MicroResult]:
+        """Each micro-batch (a row group of `batch`) forward, `loss_fn(micro, rows, token_values)`, and unless not
+        `backward` the backward of that loss. An empty group runs row 0 (its loss must carry zero weight), so every
+        rank runs as many micro-batches and collectives. Gradients accumulate; the caller zeroes and steps."""
+        timed = timer or _untimed
+        results = []
+        for rows in groups:
+            micro = batch.index(rows or [0])
+            with timed("forward"):
+                token_values = self.token_values(micro)
+                loss = None if loss_fn is None else loss_fn(micro, rows, token_values)
+            if loss is not None and backward:
+                with timed("backward"), self.sequence_parallel():  # + DDP's / FSDP's gradient reduction
+                    loss.backward()
+            results.append(MicroResult(rows, token_values.detach(), None if loss is None else loss.detach()))
+        return results
+
+    def optimizer_step(self, loss_is_finite: bool, timer: PhaseTimer | None = None) -> Tensor:
         """One optimizer step from the accumulated gradients: average them (strategy none under DP), clip, step and
         update the moving average, or skip when the norm or the loss (`loss_is_finite`, agreed over ranks; e.g.
         saturated clipping: finite gradient, infinite loss) is not finite. Returns the pre-clip norm (NaN when
         skipped for the loss); the gradients are zeroed either way."""
-        timed = timer or (lambda _phase: contextlib.nullcontext())
+        timed = timer or _untimed
         with timed("collective"):
             average_plain_gradients(self.critic_module, self.groups.world_size)
         with timed("optimizer"):

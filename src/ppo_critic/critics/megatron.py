@@ -19,18 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ppo_critic.batch import MULTI_MODAL, Batch
-from ppo_critic.batching import restore_order
-from ppo_critic.config import CriticConfig
+from ppo_critic.config.critic import CriticConfig, RankSizes
 from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics
-from ppo_critic.ema import ParameterEMA
-from ppo_critic.packing import CompactBatch, compact
+from ppo_critic.critics.ema import ParameterEMA
+from ppo_critic.critics.perf import ModelShape
+from ppo_critic.critics.value_norm import ValueNormalizer
+from ppo_critic.data.batch import MULTI_MODAL, Batch
+from ppo_critic.data.batching import restore_order
+from ppo_critic.data.packing import CompactBatch, compact
+from ppo_critic.models.hf import unwrap
 from ppo_critic.parallel.collectives import broadcast_
-from ppo_critic.parallel.megatron import unwrap
-from ppo_critic.perf import ModelShape
-from ppo_critic.value_norm import ValueNormalizer
 
-# (micro-batch, whether it holds real rows, its values [b, R]) -> (loss to backpropagate, extra outputs)
+# (micro-batch, whether it holds real rows, its values [b, R]) -> the loss to backpropagate
 MicroBatchFn = Callable[[Batch, bool, Tensor], Tensor]
 
 
@@ -53,13 +53,29 @@ class MegatronPPOCritic(PPOCriticBase):
         critic_optimizer_config: Any = None,
     ):
         from megatron.core import parallel_state as ps
+
+        config = CriticConfig.from_any(config)
+        sizes = RankSizes.as_given(config, ps.get_data_parallel_world_size())
+        self._build(config, sizes, critic_module, critic_optimizer, tf_config)
+
+    @classmethod
+    def of(cls, config: CriticConfig, sizes: RankSizes, module: list[nn.Module], optimizer: Any) -> MegatronPPOCritic:
+        """For a caller that checked `config` and derived the sizes (`CriticWorker`): nothing re-derived."""
+        critic = cls.__new__(cls)
+        critic._build(config, sizes, module, optimizer, None)
+        return critic
+
+    def _build(
+        self, config: CriticConfig, sizes: RankSizes, critic_module: Any, critic_optimizer: Any, tf_config: Any
+    ) -> None:
+        from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 
-        self.config = CriticConfig.from_any(config)
+        self.config, self.sizes = config, sizes
         if critic_module is None or critic_optimizer is None:
             raise TypeError(
                 "MegatronPPOCritic needs critic_module (this rank's model chunks) and critic_optimizer; "
-                "ppo_critic.worker.MegatronCriticWorker builds both from a config"
+                "ppo_critic.worker.CriticWorker builds both from a config with strategy=megatron"
             )
         if self.config.ulysses_sequence_parallel_size != 1:
             raise ValueError("ulysses_sequence_parallel_size must be 1 for MegatronPPOCritic; use megatron TP")
@@ -130,7 +146,7 @@ class MegatronPPOCritic(PPOCriticBase):
         self._release_cache()
         return values
 
-    def _optimizer_step(self, mini_batch: Batch, metrics: UpdateMetrics, max_token_len: int) -> None:
+    def _train_mini_batch(self, mini_batch: Batch, metrics: UpdateMetrics, max_token_len: int) -> None:
         """Accumulate one mini-batch over its micro-batches through the pipeline schedule, clip, step or skip."""
         cfg = self.config
         # megatron sums gradients over DP (calculate_per_token_loss), so each rank's share is numerator / global
@@ -139,9 +155,7 @@ class MegatronPPOCritic(PPOCriticBase):
         for chunk in self.critic_module:
             chunk.zero_grad_buffer()
         self.critic_optimizer.zero_grad()
-        groups = self._micro_batches(
-            mini_batch, cfg.use_dynamic_bsz, cfg.micro_batch_sizes(self.dp_size)[0], max_token_len
-        )
+        groups = self.micro_batches(mini_batch, cfg.use_dynamic_bsz, self.sizes.micro_batch, max_token_len)
 
         def loss_fn(micro: Batch, keep: bool, vpreds: Tensor) -> Tensor:
             return self._micro_batch_loss(micro, keep, vpreds, norm, metrics)
@@ -227,11 +241,11 @@ class MegatronPPOCritic(PPOCriticBase):
         self._release_cache()
         return result[0]
 
-    def _set_training(self, mode: bool) -> None:
+    def set_training(self, mode: bool) -> None:
         for chunk in self.critic_module:
             chunk.train(mode)
 
-    def _lr(self) -> float:
+    def learning_rate(self) -> float:
         return self.critic_optimizer.param_groups[0]["lr"]
 
     def _release_cache(self) -> None:

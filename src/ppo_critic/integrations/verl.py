@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ppo_critic.config import CriticConfig
+from ppo_critic.config.critic import CriticConfig
+from ppo_critic.config.env import OPTIONS_ENV, with_options
 from ppo_critic.critics import dp, megatron
 from ppo_critic.integrations.hooks import after_import, installed_version
-from ppo_critic.integrations.options import OPTIONS_ENV, with_options
 
 TESTED_VERL = "0.7"  # the releases whose legacy critic API this integration implements (0.7.x)
 __all__ = ["OPTIONS_ENV", "REPLACED", "DataParallelPPOCritic", "MegatronPPOCritic", "critic_config", "install"]

@@ -11,7 +11,6 @@ moving average). Model, optimizer, LR schedule, moving average and checkpoints a
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,14 +22,16 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 
-from ppo_critic.batch import Batch
-from ppo_critic.batching import check_token_budget
-from ppo_critic.checkpoint import delete_checkpoint, latest_checkpoint
-from ppo_critic.config import CriticConfig
-from ppo_critic.integrations.options import with_options
+from ppo_critic.config.critic import CriticConfig, RankSizes
+from ppo_critic.config.env import with_options
+from ppo_critic.config.verl import to_mapping
+from ppo_critic.critics.dp import MicroResult
+from ppo_critic.data.batch import Batch
+from ppo_critic.data.batching import check_token_budget
 from ppo_critic.parallel.mesh import parallel_groups, select_device
-from ppo_critic.verl_config import to_mapping
+from ppo_critic.run.checkpoint import delete_checkpoint, latest_checkpoint
 from ppo_critic.worker import CriticWorker, worker_config
+from ppo_critic.worker.build import Layout
 
 BACKEND = "ppo_critic"
 FP32 = ("float32", "fp32")
@@ -105,11 +106,10 @@ class PPOCriticEngine(BaseEngine):
         if self.worker is None:
             total = getattr(self.optimizer_config, "total_training_steps", None)
             seed = getattr(self.engine_config, "seed", 0) or 0
-            # a CriticWorker takes global sizes and gives its critic per-rank ones
-            config = dataclasses.replace(
-                self.config, ppo_mini_batch_size=self.config.ppo_mini_batch_size * self.groups.dp_size
-            )
-            self.worker = CriticWorker(config, total_steps=total if total and total > 0 else None, seed=seed)
+            # verl's worker cuts the mini-batches: the engine's sizes are this rank's already; its groups exist
+            layout = Layout(self.groups, RankSizes.as_given(self.config, self.groups.dp_size))
+            total = total if total and total > 0 else None
+            self.worker = CriticWorker(self.config, total_steps=total, seed=seed, layout=layout)
 
     @property
     def is_param_offload_enabled(self) -> bool:
@@ -122,7 +122,7 @@ class PPOCriticEngine(BaseEngine):
     @contextlib.contextmanager
     def train_mode(self, **kwargs: Any) -> Iterator[None]:
         self.mode = "train"
-        self._critic._set_training(True)
+        self._critic.set_training(True)
         try:
             yield
         finally:
@@ -132,7 +132,7 @@ class PPOCriticEngine(BaseEngine):
     def eval_mode(self, **kwargs: Any) -> Iterator[None]:
         """Values come from the weights `compute_values` uses: under `ema_decay`, their moving average."""
         self.mode = "eval"
-        self._critic._set_training(False)
+        self._critic.set_training(False)
         try:
             with self._critic.averaged_weights():
                 yield
@@ -146,57 +146,51 @@ class PPOCriticEngine(BaseEngine):
     def optimizer_step(self) -> float:
         """Clip, then step — or skip when the gradient norm or a micro-batch loss was not finite (NaN returned)."""
         local = torch.stack(self._finite).all() if self._finite else torch.tensor(True)
-        finite = bool(self._critic._all_reduce(local.to(self.device, torch.float64), "min"))
-        return float(self._critic.apply_gradients(finite))
+        finite = bool(self._critic.all_reduce(local.to(self.device, torch.float64), "min"))
+        return float(self._critic.optimizer_step(finite))
 
     def lr_scheduler_step(self) -> float:
         self.worker.scheduler.step()
-        return self._critic._lr()
+        return self._critic.learning_rate()
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None, forward_only: bool = False):
         """Micro-batches of one mini-batch through the critic: per-token `values` (nested, like verl's own value
         engine), verl's `loss_function` over the global denominators, and (unless `forward_only`) the backward."""
         critic = self._critic
         batch = dense_inputs(data, self.device)
-        critic._check_token_ids(batch)
+        critic.check_token_ids(batch)
         train = not forward_only
         dynamic = bool(tu.get_non_tensor_data(data, "use_dynamic_bsz", self.config.use_dynamic_bsz))
-        sizes = self.config.micro_batch_sizes(self.groups.dp_size)
-        micro = tu.get_non_tensor_data(data, "micro_batch_size_per_gpu", None) or sizes[0 if train else 1]
-        default_budget = self.config.ppo_max_token_len_per_gpu if train else self.config.forward_max_token_len
+        sizes = critic.sizes
+        micro = tu.get_non_tensor_data(data, "micro_batch_size_per_gpu", None) or (
+            sizes.micro_batch if train else sizes.forward_micro_batch
+        )
+        default_budget = sizes.max_token_len if train else sizes.forward_max_token_len
         budget = (tu.get_non_tensor_data(data, "max_token_len_per_gpu", None) or default_budget) * critic.sp_size
         if dynamic:
             check_token_budget(batch["attention_mask"].sum(-1), budget)
         if loss_function is not None:
             self._assign_denominators(data)
             data = data.to(self.device)  # verl's loss reads it beside the values: both on the critic's device
-        groups = critic._micro_batches(batch, dynamic, int(micro), int(budget))
-        rows_out: dict[int, Tensor] = {}
-        losses: list[Tensor] = []
+        groups = critic.micro_batches(batch, dynamic, int(micro), int(budget))
         metrics: dict[str, Any] = {}
-        for rows in groups:
-            real = bool(rows)
-            rows = rows or [0]  # an empty group runs with zero weight, so every DP rank runs as many
-            inputs = batch.index(rows)
-            values = as_jagged(critic.token_values(inputs), inputs["attention_mask"])
-            if loss_function is not None:
-                micro_data = tu.index_select_tensor_dict(data, rows)
-                loss, micro_metrics = loss_function(
-                    model_output={"values": values}, data=micro_data, dp_group=self.get_data_parallel_group()
-                )
-                loss = loss if real else loss * 0
-                self._finite.append(torch.isfinite(loss.detach()))
-                if train:
-                    with critic.sequence_parallel():  # checkpointed layers recompute their all-to-alls
-                        loss.backward()
-                if real:
-                    losses.append(loss.detach())
-                    append_to_dict(metrics, micro_metrics)  # verl's collection: a Metric gathers its values
-            if real:
-                rows_out.update(zip(rows, values.detach().unbind(), strict=True))
-        ordered = [rows_out[i] for i in range(len(batch))]
+
+        def verl_loss(inputs: Batch, rows: list[int], token_values: Tensor) -> Tensor:
+            values = as_jagged(token_values, inputs["attention_mask"])
+            micro_data = tu.index_select_tensor_dict(data, rows or [0])
+            loss, micro_metrics = loss_function(
+                model_output={"values": values}, data=micro_data, dp_group=self.get_data_parallel_group()
+            )
+            if rows:
+                append_to_dict(metrics, micro_metrics)  # verl's collection: a Metric gathers its values
+            return loss if rows else loss * 0  # a stand-in group keeps the ranks in step with zero weight
+
+        loss_fn = None if loss_function is None else verl_loss
+        results = critic.forward_backward(batch, groups, loss_fn, backward=not forward_only)
+        self._finite += [torch.isfinite(m.loss) for m in results if m.loss is not None]
+        losses = [m.loss for m in results if m.rows and m.loss is not None]
         return {
-            "model_output": {"values": torch.nested.as_nested_tensor(ordered, layout=torch.jagged)},
+            "model_output": {"values": values_in_order(results, batch["attention_mask"])},
             "loss": torch.stack(losses).tolist() if losses else [],  # one device sync for the mini-batch
             "metrics": metrics,
         }
@@ -205,11 +199,11 @@ class PPOCriticEngine(BaseEngine):
         """verl's loss normalises by `batch_num_tokens` (this mini-batch's loss-mask tokens on every DP rank) and
         `global_batch_size` (its sequences), times `dp_size`. Gradients are averaged over all dp × sp ranks, and
         under Ulysses each sp rank backpropagates its slice of the loss: so `dp_size` is dp × sp."""
-        tokens = self._critic._all_reduce(data["loss_mask"].sum().double().to(self.device))
+        tokens = self._critic.all_reduce(data["loss_mask"].sum().double().to(self.device))
         assign = {"batch_num_tokens": float(tokens), "dp_size": self.groups.world_size}
         if tu.get_non_tensor_data(data, "global_batch_size", None) is None:
             rows = torch.tensor(float(len(data)), dtype=torch.float64, device=self.device)
-            assign["global_batch_size"] = float(self._critic._all_reduce(rows))
+            assign["global_batch_size"] = float(self._critic.all_reduce(rows))
         tu.assign_non_tensor(data, **assign)
 
     def get_data_parallel_size(self) -> int:
@@ -285,6 +279,15 @@ def dense_inputs(data: TensorDict, device: torch.device) -> Batch:
         dense[mask] = nested.values()  # row-major over the valid positions: the order of the packed values
         tensors[key] = dense
     return Batch(tensors).to(device)
+
+
+def values_in_order(results: list[MicroResult], attention_mask: Tensor) -> Tensor:
+    """The per-token values of the real micro-batches, back in the mini-batch's row order, as one nested tensor."""
+    rows: dict[int, Tensor] = {}
+    for m in results:
+        if m.rows:
+            rows.update(zip(m.rows, as_jagged(m.values, attention_mask[m.rows]).unbind(), strict=True))
+    return torch.nested.as_nested_tensor([rows[i] for i in range(len(attention_mask))], layout=torch.jagged)
 
 
 def as_jagged(values: Tensor, attention_mask: Tensor) -> Tensor:

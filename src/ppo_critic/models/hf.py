@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ppo_critic.config import DTYPES, HEAD_KINDS, VALUE_HEAD_INIT, VALUE_HEAD_INIT_HELP
+from ppo_critic.config.critic import DTYPES, HEAD_KINDS, VALUE_HEAD_INIT, VALUE_HEAD_INIT_HELP
 
 HEAD_NAMES = ("score", "classifier", "v_head", "value_head")
 VALUE_HEAD_FILE = "value_head.safetensors"  # the head of an exported generic critic, beside its backbone

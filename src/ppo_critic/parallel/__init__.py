@@ -1,1 +1,2 @@
-"""Devices and process groups (the only place that decides where and with whom the critic runs)."""
+"""Devices, process groups and collectives (`mesh`, `collectives`), and parallelism applied to a plain model:
+FSDP / DDP wrapping (`fsdp`), Ulysses sequence parallelism (`ulysses`), megatron-core's parallel state (`megatron`)."""

@@ -1,7 +1,8 @@
 """Data-parallel wrapping applied to a plain model (torchtitan style), and gradient clipping that fits it.
 
-`parallelize(model, strategy)`: `none`, `ddp`, `fsdp` (FSDP1) or `fsdp2` (`fully_shard` per decoder layer, then
-the root). Build the optimizer *after* wrapping: FSDP replaces the parameters.
+`parallelize(model, config, device)`: gradient checkpointing, then per-layer compile, then `shard`. `shard(model,
+strategy, device)`: `none`, `ddp`, `fsdp` (FSDP1) or `fsdp2` (`fully_shard` per decoder layer, then the root).
+Build the optimizer *after* wrapping: FSDP replaces the parameters.
 """
 
 from __future__ import annotations
@@ -9,13 +10,29 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ppo_critic.config import STRATEGIES
+from ppo_critic.config.critic import STRATEGIES, CriticConfig
+from ppo_critic.models.compile import compile_decoder_layers
 from ppo_critic.models.hf import ValueHead, find_value_head
 from ppo_critic.parallel.collectives import all_reduce_, served_device_types
-from ppo_critic.parallel.mesh import BACKEND_CUDA, default_dtype
+from ppo_critic.parallel.mesh import BACKEND_CUDA, compute_dtype, default_dtype
 
 
-def parallelize(
+def parallelize(model: nn.Module, config: CriticConfig, device: torch.device) -> nn.Module:
+    """`model` made ready to train as `config` says, in the one order that works: gradient checkpointing, then
+    `torch.compile` per decoder layer, then `shard` in the compute dtype (FSDP2 wraps the compiled layers)."""
+    settings = config.model
+    if settings.enable_gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        if settings.lora_rank:
+            model.enable_input_require_grads()  # else checkpointed layers of a frozen backbone get no grads
+    if settings.use_torch_compile:
+        compile_decoder_layers(model)
+    offload = bool(settings.fsdp_config.get("param_offload", False))
+    dtype = compute_dtype(config.torch_dtype_name, device)
+    return shard(model, config.strategy, device, dtype, cpu_offload=offload)
+
+
+def shard(
     model: nn.Module,
     strategy: str,
     device: torch.device,

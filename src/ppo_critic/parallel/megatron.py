@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ppo_critic.config import MegatronConfig, OptimConfig
+from ppo_critic.config.critic import MegatronConfig, OptimConfig
+from ppo_critic.models.hf import unwrap
 from ppo_critic.models.megatron import (
     Shapes,
     from_te_names,
@@ -136,10 +137,3 @@ def build_optimizer(chunks: list[nn.Module], optim: OptimConfig, grad_clip: floa
         use_distributed_optimizer=use_distributed,
     )
     return get_megatron_optimizer(config, chunks, config_overrides={}, use_gloo_process_groups=False)
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module

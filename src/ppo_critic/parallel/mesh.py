@@ -30,6 +30,11 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def compute_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """The autocast dtype: the configured one (`critic.dtype`, a torch dtype name), else `default_dtype`."""
+    return default_dtype(device) if name is None else getattr(torch, name)
+
+
 def select_device(name: str = "auto") -> torch.device:
     """`resolve_device`, made the current CUDA device: CUDA events, synchronisation, memory statistics, the
     peak-FLOPs probe and NCCL then all use it. Call it after `init_distributed`, which makes LOCAL_RANK's current."""

@@ -1,35 +1,42 @@
 """Ulysses sequence parallelism: each rank of an sp group holds 1/sp of the packed row; attention swaps sequence
 sharding for head sharding with an all-to-all (and back), so it sees whole sequences for its heads.
 
-The critic enters `sequence_parallel(group)` around the model call; the registered varlen attention reads it.
+The critic enters `sequence_parallel(group)` around the model call, which puts the swaps around the registered
+varlen attention's kernel (`models.attention.around_kernel`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ppo_critic.models.attention import around_kernel
 from ppo_critic.parallel.collectives import all_gather, all_to_all
-
-_GROUP: list[object] = []  # the active sp group (a stack, so nesting is harmless)
 
 
 @contextlib.contextmanager
 def sequence_parallel(group: object) -> Iterator[None]:
     """Within this block, varlen attention runs Ulysses over `group`."""
-    _GROUP.append(group)
-    try:
+    with around_kernel(functools.partial(_ulysses_attend, group=group)):
         yield
-    finally:
-        _GROUP.pop()
 
 
-def active_group() -> object | None:
-    return _GROUP[-1] if _GROUP else None
+def _ulysses_attend(
+    attend: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, group: object
+) -> Tensor:
+    """My tokens × all heads → all tokens × my heads, attend, and back. K/V heads are replicated when sp does not
+    divide them."""
+    sp = dist.get_world_size(group)
+    if k.shape[1] % sp:
+        k = k.repeat_interleave(sp // k.shape[1], dim=1)
+        v = v.repeat_interleave(sp // v.shape[1], dim=1)
+    out = attend(seq_to_heads(q, group), seq_to_heads(k, group), seq_to_heads(v, group))
+    return heads_to_seq(out, group)
 
 
 class _AllToAll(torch.autograd.Function):

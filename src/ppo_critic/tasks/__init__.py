@@ -10,9 +10,9 @@
 | scale    | rewards in [-30, 50] around 10: value normalisation     | linear in the running mean     |
 
 Each module's docstring gives its generative process and closed form; every task offers the members of
-`ppo_critic.tasks.common.Task`. `TASK_CONFIGS` (name -> options dataclass) is torch-free, so configs load and
-`--help` runs without torch; the task classes (`TASKS`: name -> (task class, options dataclass), and each class by
-its name) are imported on first use.
+`ppo_critic.tasks.common.Task`. `TASK_CONFIGS` (name -> options dataclass, all in `ppo_critic.config.tasks`) is
+torch-free, so configs load and `--help` runs without torch; the task classes (`TASKS`: name -> (task class, options
+dataclass), and each class by its name) are imported on first use.
 """
 
 from __future__ import annotations
@@ -20,21 +20,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ppo_critic.tasks.counting_config import CountingTaskConfig
-from ppo_critic.tasks.dense_config import DenseTaskConfig
-from ppo_critic.tasks.lengths_config import LengthsTaskConfig
-from ppo_critic.tasks.long_config import LongTaskConfig
-from ppo_critic.tasks.recall_config import RecallTaskConfig
-from ppo_critic.tasks.scale_config import ScaleTaskConfig
+from ppo_critic.config.tasks import (
+    TASK_CONFIGS,
+    CountingTaskConfig,
+    DenseTaskConfig,
+    LengthsTaskConfig,
+    LongTaskConfig,
+    RecallTaskConfig,
+    ScaleTaskConfig,
+)
 
-TASK_CONFIGS = {
-    "counting": CountingTaskConfig,
-    "dense": DenseTaskConfig,
-    "long": LongTaskConfig,
-    "recall": RecallTaskConfig,
-    "lengths": LengthsTaskConfig,
-    "scale": ScaleTaskConfig,
-}
 _CLASSES = {  # name -> the task class in module ppo_critic.tasks.<name>
     "counting": "CountingTask",
     "dense": "DenseTask",
@@ -44,7 +39,17 @@ _CLASSES = {  # name -> the task class in module ppo_critic.tasks.<name>
     "scale": "ScaleTask",
 }
 
-__all__ = ["TASKS", "TASK_CONFIGS", *_CLASSES.values(), *(cls.__name__ for cls in TASK_CONFIGS.values())]
+__all__ = [
+    "TASKS",
+    "TASK_CONFIGS",
+    *_CLASSES.values(),
+    "CountingTaskConfig",
+    "DenseTaskConfig",
+    "LengthsTaskConfig",
+    "LongTaskConfig",
+    "RecallTaskConfig",
+    "ScaleTaskConfig",
+]
 
 
 def __getattr__(name: str) -> Any:

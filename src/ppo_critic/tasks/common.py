@@ -1,5 +1,6 @@
-"""What the built-in tasks share: the DESIGN §3 batch layout, blocks of special tokens, the exact value of a
-count-based terminal reward, discounted sums, and a Monte-Carlo estimate of a value by a task's own process.
+"""What the built-in tasks share: `BuiltinTask` (sampling a batch and continuing a response, the same for every
+task given its generative process), blocks of special tokens, the exact value of a count-based terminal reward,
+discounted sums, and a Monte-Carlo estimate of a value by a task's own process.
 
 Value convention (DESIGN §3 alignment): the value of response token t is the expected discounted sum of the
 rewards on tokens t, t+1, ... given the prompt and the response tokens before t, `V_t = E[Σ_{k>=t} γ^(k-t) r_k |
@@ -9,13 +10,20 @@ tokens < t]`; a critic predicts it at the position before token t.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
-from ppo_critic.batch import Batch
+from ppo_critic.data.batch import Batch
+from ppo_critic.data.rollouts import rollout_batch
+
+Header = tuple[Tensor, Tensor]
+"""The two integers per row that a task's prompt stands for (`BuiltinTask.read_prompt`): the target and the
+response length for most tasks."""
+Options = TypeVar("Options")
 
 
 class Task(Protocol):
@@ -60,6 +68,14 @@ class TokenBlock:
         """The token ids standing for `values`."""
         return values - self.low + self.first_id
 
+    def draw(self, shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+        """Uniform random integers of the block, `low..high` (`encode` gives their token ids)."""
+        return integers(self.low, self.high, shape, generator)
+
+    def draw_ids(self, shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+        """Uniform random token ids of the block."""
+        return integers(self.first_id, self.end - 1, shape, generator)
+
     def decode(self, ids: Tensor, where: str, high: int | None = None) -> Tensor:
         """The integers `ids` stand for; ValueError (naming `where` they were read) unless each is one of the block's,
         and at most `high` when given."""
@@ -68,6 +84,128 @@ class TokenBlock:
         if not ((values >= self.low) & (values <= top)).all():
             raise ValueError(f"batch's {where} is not a valid {self.what}; was it sampled by this task?")
         return values
+
+
+class BuiltinTask(ABC):
+    """`Task`'s `sample` and `continue_responses`, written once from a task's generative process: a prompt whose
+    header stands for two integers per row (`Header`), responses drawn given the header, and their rewards.
+
+    A subclass sets `name` (said in layout errors), `config`, `pad_token_id` and `prompt_width`, and implements
+    `true_values`, `_draw_responses` and `_rewards`; the default prompt (`_draw_prompts`, `read_prompt`) is random
+    `fillers`, then one token of each block of `header_tokens`.
+    """
+
+    name: str
+    config: Any
+    pad_token_id: int
+    prompt_width: int
+    header_tokens: tuple[TokenBlock, TokenBlock]
+    fillers: TokenBlock
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of token ids: the pad token is the last."""
+        return self.pad_token_id + 1
+
+    @property
+    def response_width(self) -> int:
+        """R: the longest response."""
+        return self.config.max_response_len
+
+    def sample(self, batch_size: int, generator: torch.Generator) -> dict[str, Tensor]:
+        """A batch of `batch_size` rollouts with rewards and true values; deterministic given the generator state."""
+        check_batch_size(batch_size)
+        prompts, prompt_mask, header = self._draw_prompts(batch_size, generator)
+        responses, lengths = self._responses(header, generator)
+        rewards = self._rewards(responses, header, lengths)
+        batch = rollout_batch(prompts, prompt_mask, responses, prefix_mask(lengths, self.response_width), rewards)
+        batch["true_values"] = self.true_values(batch, gamma=1.0)
+        return batch
+
+    def continue_responses(self, batch: Any, row: int, t: int, n: int, generator: torch.Generator) -> dict[str, Tensor]:
+        """`n` responses to `row`'s prompt keeping its tokens < t, the rest drawn as in `sample`."""
+        header = repeat_row(self.read_prompt(batch), row, n)
+        row_responses = Batch.from_any(batch)["responses"][row : row + 1]
+        check_prefix(t, int(self._response_lengths(row_responses, header)[0]))
+        responses, lengths = self._responses(header, generator, kept=row_responses[0, :t])
+        return continuation(responses, lengths, self._rewards(responses, header, lengths))
+
+    def read_prompt(self, batch: Any) -> Header:
+        """The integers that each prompt's last two tokens (`header_tokens`) stand for, in any row order."""
+        return read_header(batch, self.name, self.response_width, *self.header_tokens)
+
+    @abstractmethod
+    def true_values(self, batch: Any, gamma: float = 1.0) -> Tensor:
+        """[B, R] float32 exact values under discount `gamma`, 0 at padded positions."""
+
+    def _read_batch(self, batch: Any, gamma: float) -> tuple[Header, Tensor, Tensor]:
+        """`(header, responses, lengths)` of a batch to value under `gamma`; ValueError on a bad gamma or layout."""
+        check_gamma(gamma)
+        header = self.read_prompt(batch)
+        responses = Batch.from_any(batch)["responses"]
+        return header, responses, self._response_lengths(responses, header)
+
+    def _response_lengths(self, responses: Tensor, header: Header) -> Tensor:
+        """[B] the lengths of `responses`: the header's second integer, where the prompt announces them."""
+        return header[1]
+
+    def _draw_prompts(self, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Header]:
+        """`(prompts, prompt_mask, header)`: left-padded prompts of `min..max_prompt_len` random fillers, then a token
+        of each block of `header_tokens`, standing for the integers `header`."""
+        (first, last), c, rows = self.header_tokens, self.config, (batch_size,)
+        prompt_lens = integers(c.min_prompt_len, c.max_prompt_len, rows, generator)
+        header = (first.draw(rows, generator), last.draw(rows, generator))
+        fillers = self.fillers.draw_ids((batch_size, self.prompt_width), generator)
+        tail = torch.stack([first.encode(header[0]), last.encode(header[1])], dim=1)
+        prompts, prompt_mask = left_padded_prompts(fillers, prompt_lens + 2, self.pad_token_id, tail=tail)
+        return prompts, prompt_mask, header
+
+    def _responses(
+        self, header: Header, generator: torch.Generator, kept: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """`(responses, lengths)`: [B, R] responses drawn by `_draw_responses`, right-padded, and [B] their lengths."""
+        tokens, lengths = self._draw_responses(header, generator, kept)
+        return tokens.masked_fill(~prefix_mask(lengths, self.response_width).bool(), self.pad_token_id), lengths
+
+    @abstractmethod
+    def _draw_responses(self, header: Header, generator: torch.Generator, kept: Tensor | None) -> tuple[Tensor, Tensor]:
+        """`(tokens, lengths)`: [B, R] response tokens given each row's header (the first ones `kept` when given: a
+        continuation), not yet padded, and [B] their lengths."""
+
+    @abstractmethod
+    def _rewards(self, responses: Tensor, header: Header, lengths: Tensor) -> Tensor:
+        """[B, R] float32 rewards of right-padded `responses` of `lengths` tokens."""
+
+
+class CountTask(BuiltinTask):
+    """A task whose only reward is 1 on the last token when the target (the header's first integer) occurs at least
+    `config.min_count` times, with i.i.d. response tokens: the target with probability `hit_prob`, else uniform over
+    the other ids below `num_tokens`. So `V_t = γ^(L-1-t) · P(c_t + Binomial(L - t, p) >= m)` (`count_values`)."""
+
+    def __init__(self, config: Any, hit_prob: float, num_tokens: int):
+        self.config, self.hit_prob, self.num_tokens = config, hit_prob, num_tokens
+        self._tail = binomial_tail_table(config.max_response_len, config.min_count, hit_prob)
+
+    def true_values(self, batch: Any, gamma: float = 1.0) -> Tensor:
+        """[B, R] float32 exact values `gamma^(L-1-t) * P(c_t + Bin(L-t, p) >= m)`, 0 at padded positions."""
+        (targets, lengths), responses, _ = self._read_batch(batch, gamma)
+        return count_values(responses == targets[:, None], lengths, self.config.min_count, self._tail, gamma)
+
+    def _draw_responses(self, header: Header, generator: torch.Generator, kept: Tensor | None) -> tuple[Tensor, Tensor]:
+        """i.i.d. tokens: the row's target w.p. `hit_prob`, else another of the `num_tokens` ids."""
+        tokens = iid_tokens(header[0], self.response_width, self.hit_prob, self.num_tokens, generator)
+        return keep_prefix(tokens, kept), header[1]
+
+    def _rewards(self, responses: Tensor, header: Header, lengths: Tensor) -> Tensor:
+        """1.0 at the last response token when the target occurs >= min_count times, else 0."""
+        return count_rewards(responses, header[0], lengths, self.config.min_count)
+
+
+def validated(config: Options | None, default: type[Options]) -> Options:
+    """`config`, or `default()` when None, after its `validate()`: a bad field raises ValueError naming it."""
+    options: Any = config if config is not None else default()
+    options.validate()
+    return options
 
 
 def prefix_mask(lengths: Tensor, width: int) -> Tensor:
@@ -103,6 +241,19 @@ def check_prefix(t: int, length: int) -> None:
         raise ValueError(f"t={t} must be a response token of the row, in [0, {length})")
 
 
+def keep_prefix(tokens: Tensor, kept: Tensor | None) -> Tensor:
+    """`tokens` [B, R] with each row's first tokens set to `kept` when given (what a continuation keeps)."""
+    if kept is not None:
+        tokens[:, : len(kept)] = kept
+    return tokens
+
+
+def tokens_left(lengths: Tensor, width: int) -> Tensor:
+    """[B, width] int64: the tokens of row i from position t on, `L - t`, 0 past its end (so `> 0` marks its tokens)."""
+    t = torch.arange(width, device=lengths.device)
+    return (lengths[:, None] - t[None, :]).clamp(min=0)
+
+
 def left_padded_prompts(
     tokens: Tensor, lengths: Tensor, pad_token_id: int, head: Tensor | None = None, tail: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -117,21 +268,6 @@ def left_padded_prompts(
         tokens.scatter_(1, columns, head)
     mask = prefix_mask(lengths, width).flip(-1)
     return tokens.masked_fill(~mask.bool(), pad_token_id), mask
-
-
-def rollout_batch(
-    prompts: Tensor, prompt_mask: Tensor, responses: Tensor, response_mask: Tensor, rewards: Tensor
-) -> dict[str, Tensor]:
-    """The DESIGN §3 batch of left-padded prompts and right-padded responses (position ids restart per row)."""
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    return {
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        "responses": responses,
-        "response_mask": response_mask,
-        "token_level_rewards": rewards,
-    }
 
 
 def split_layout(batch: Any, task: str, response_width: int, prompt_tokens: int) -> tuple[Tensor, Tensor, int]:
@@ -189,6 +325,14 @@ def terminal_rewards(amounts: Tensor, lengths: Tensor, width: int) -> Tensor:
     return rewards
 
 
+def count_rewards(responses: Tensor, targets: Tensor, lengths: Tensor, min_counts: Tensor | int) -> Tensor:
+    """[B, R] float32: 1.0 on the last response token of row i when its target occurs at least `min_counts` (an int,
+    or one per row) times among its tokens, else 0."""
+    valid = prefix_mask(lengths, responses.shape[1]).bool()
+    success = ((responses == targets[:, None]) & valid).sum(-1) >= min_counts
+    return terminal_rewards(success, lengths, responses.shape[1])
+
+
 def binomial_tail_table(max_n: int, max_k: int, p: float) -> Tensor:
     """`table[n, k] = P(Binomial(n, p) >= k)` for n <= max_n, k <= max_k, exact in float64 (n <= ~1000)."""
     table = torch.zeros(max_n + 1, max_k + 1, dtype=torch.float64)
@@ -208,11 +352,10 @@ def count_values(
 
     `tail` is `binomial_tail_table(..., p)`, or a stack of such tables with `table` [B] choosing row i's.
     """
-    t = torch.arange(hits.shape[1], device=hits.device)
-    valid = t[None, :] < lengths[:, None]
+    remaining = tokens_left(lengths, hits.shape[1])
+    valid = remaining > 0
     hits = (hits & valid).long()
     seen = hits.cumsum(-1) - hits
-    remaining = (lengths[:, None] - t[None, :]).clamp(min=0)
     needed = (torch.as_tensor(min_counts, device=hits.device).reshape(-1, 1) - seen).clamp(min=0)
     tail = tail.to(hits.device)
     prob = tail[remaining, needed] if table is None else tail[table[:, None], remaining, needed]

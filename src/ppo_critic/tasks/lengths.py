@@ -28,76 +28,41 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ppo_critic.batch import Batch
+from ppo_critic.config.tasks import LengthsTaskConfig
 from ppo_critic.tasks.common import (
+    BuiltinTask,
+    Header,
     TokenBlock,
-    check_batch_size,
-    check_gamma,
-    check_prefix,
-    continuation,
+    count_rewards,
     iid_tokens,
-    integers,
-    left_padded_prompts,
-    prefix_mask,
     read_header,
-    repeat_row,
-    rollout_batch,
-    split_layout,
-    terminal_rewards,
+    validated,
 )
-from ppo_critic.tasks.lengths_config import LengthsTaskConfig
 
 
-class LengthsTask:
+class LengthsTask(BuiltinTask):
     """Samples rollout batches (DESIGN §3 layout) of widely varying lengths, and their exact values."""
 
+    name = "lengths"
+
     def __init__(self, config: LengthsTaskConfig | None = None):
-        self.config = config if config is not None else LengthsTaskConfig()
-        self.config.validate()
-        c = self.config
+        self.config = c = validated(config, LengthsTaskConfig)
         self.num_ordinary = c.num_targets + c.num_fillers
         self.target_tokens = TokenBlock(0, 0, c.num_targets - 1, "target token")
+        self.fillers = TokenBlock(c.num_targets, 0, c.num_fillers - 1, "filler")
         self.pace_tokens = TokenBlock(self.num_ordinary, 0, len(c.stop_probs) - 1, "pace token")
+        self.header_tokens = (self.target_tokens, self.pace_tokens)
         self.eos_token_id = self.pace_tokens.end
         self.pad_token_id = self.eos_token_id + 1
-        self.vocab_size = self.pad_token_id + 1
         self.prompt_width = c.max_prompt_len + 2
-        self.response_width = c.max_response_len
         k = torch.arange(c.max_response_len)
         stop = torch.tensor(c.stop_probs, dtype=torch.float64)[:, None].expand(-1, c.max_response_len)
         self._hazards = torch.where(k < c.min_response_len - 1, 0.0, stop).clone()  # [paces, K]: P(EOS at k)
         self._hazards[:, -1] = 1.0
 
-    def sample(self, batch_size: int, generator: torch.Generator) -> dict[str, Tensor]:
-        """A batch of `batch_size` rollouts with rewards and true values; deterministic given the generator state."""
-        check_batch_size(batch_size)
-        c = self.config
-        prompt_lens = integers(c.min_prompt_len, c.max_prompt_len, (batch_size,), generator)
-        targets = integers(0, c.num_targets - 1, (batch_size,), generator)
-        paces = integers(0, len(c.stop_probs) - 1, (batch_size,), generator)
-        fillers = integers(c.num_targets, self.num_ordinary - 1, (batch_size, self.prompt_width), generator)
-        header = torch.stack([targets, self.pace_tokens.encode(paces)], dim=1)
-        prompts, prompt_mask = left_padded_prompts(fillers, prompt_lens + 2, self.pad_token_id, tail=header)
-        responses, lengths = self._responses(targets, paces, generator)
-        rewards = self._rewards(responses, targets, lengths)
-        batch = rollout_batch(prompts, prompt_mask, responses, prefix_mask(lengths, self.response_width), rewards)
-        batch["true_values"] = self.true_values(batch, gamma=1.0)
-        return batch
-
-    def continue_responses(self, batch: Any, row: int, t: int, n: int, generator: torch.Generator) -> dict[str, Tensor]:
-        """`n` responses to `row`'s prompt keeping its tokens < t (no EOS among them), the rest drawn as in `sample`."""
-        targets, paces = repeat_row(self.read_prompt(batch), row, n)
-        row_responses = Batch.from_any(batch)["responses"][row : row + 1]
-        check_prefix(t, int(self.read_lengths(row_responses)[0]))
-        responses, lengths = self._responses(targets, paces, generator, prefix=row_responses[0, :t])
-        return continuation(responses, lengths, self._rewards(responses, targets, lengths))
-
     def true_values(self, batch: Any, gamma: float = 1.0) -> Tensor:
         """[B, R] float32 exact values `W_d(t, min(c_t, m))` (module docstring), 0 at padded positions."""
-        check_gamma(gamma)
-        targets, paces = self.read_prompt(batch)
-        responses = split_layout(batch, "lengths", self.response_width, 2)[1]
-        lengths = self.read_lengths(responses)
+        (targets, paces), responses, lengths = self._read_batch(batch, gamma)
         t = torch.arange(responses.shape[1], device=responses.device)
         valid = t[None, :] < lengths[:, None]
         hits = ((responses == targets[:, None]) & valid).long()
@@ -119,11 +84,9 @@ class LengthsTask:
             table[:, k] = h * done + (1 - h) * gamma * (p * after[:, one_more] + (1 - p) * after)
         return table
 
-    def read_prompt(self, batch: Any) -> tuple[Tensor, Tensor]:
+    def read_prompt(self, batch: Any) -> Header:
         """(targets, paces) read from the last two prompt tokens of `input_ids` (any row order)."""
-        return read_header(
-            batch, "lengths", self.response_width, self.target_tokens, self.pace_tokens, last_is_length=False
-        )
+        return read_header(batch, self.name, self.response_width, *self.header_tokens, last_is_length=False)
 
     def read_lengths(self, responses: Tensor) -> Tensor:
         """[B] response lengths: the place of each row's first EOS, plus one."""
@@ -132,23 +95,23 @@ class LengthsTask:
             raise ValueError("a response of the batch has no EOS token; was it sampled by the lengths task?")
         return eos.long().argmax(-1) + 1
 
-    def _responses(
-        self, targets: Tensor, paces: Tensor, generator: torch.Generator, prefix: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """([B, R] right-padded responses ending with EOS, [B] their lengths), continuing `prefix` when given."""
-        c, dev = self.config, generator.device
+    def _response_lengths(self, responses: Tensor, header: Header) -> Tensor:
+        """[B] lengths read from the responses' EOS: the prompt does not announce them."""
+        return self.read_lengths(responses)
+
+    def _draw_responses(self, header: Header, generator: torch.Generator, kept: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Responses ending with EOS at the first stop of the row's pace, continuing `kept` when given."""
+        (targets, paces), c, dev = header, self.config, generator.device
         stop = torch.rand(targets.shape[0], self.response_width, generator=generator, device=dev)
         stop = stop < self._hazards.to(dev)[paces]
         tokens = iid_tokens(targets, self.response_width, c.target_prob, self.num_ordinary, generator)
-        if prefix is not None:
-            stop[:, : len(prefix)] = False
-            tokens[:, : len(prefix)] = prefix
+        if kept is not None:
+            stop[:, : len(kept)] = False
+            tokens[:, : len(kept)] = kept
         lengths = stop.long().argmax(-1) + 1  # the first stop (there is one: the hazard of the last token is 1)
         tokens[torch.arange(len(tokens), device=dev), lengths - 1] = self.eos_token_id
-        return tokens.masked_fill(~prefix_mask(lengths, self.response_width).bool(), self.pad_token_id), lengths
+        return tokens, lengths
 
-    def _rewards(self, responses: Tensor, targets: Tensor, lengths: Tensor) -> Tensor:
-        """[B, R] float32: 1.0 on the EOS when the target occurs >= min_count times, else 0."""
-        valid = prefix_mask(lengths, responses.shape[1]).bool()
-        success = ((responses == targets[:, None]) & valid).sum(-1) >= self.config.min_count
-        return terminal_rewards(success, lengths, responses.shape[1])
+    def _rewards(self, responses: Tensor, header: Header, lengths: Tensor) -> Tensor:
+        """1.0 on the EOS when the target occurs >= min_count times, else 0."""
+        return count_rewards(responses, header[0], lengths, self.config.min_count)

@@ -17,9 +17,9 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
 from verl.workers.utils.losses import value_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
-from verl_shared import composed, hydra_value, params
 
 from ppo_critic import DataParallelPPOCritic, build_value_model
+from verl_shared import composed, hydra_value, params
 
 SGD = {"optim.optimizer": "SGD", "optim.weight_decay": 0.0, "optim.lr": 0.1}
 

@@ -14,10 +14,10 @@ import torch
 from engine_helpers import SGD, critic_config, engine_params, infer_values, reference, train, training_worker
 from verl.utils.metric import reduce_metrics
 from verl.workers.utils.losses import value_loss
-from verl_shared import MODES, rel_change, rollout
 
-from ppo_critic.integrations.options import OPTIONS_ENV
+from ppo_critic.config.env import OPTIONS_ENV
 from ppo_critic.integrations.verl_engine import engine_critic_config
+from verl_shared import MODES, rel_change, rollout
 
 LAYOUT = 1e-5  # DESIGN §6: one update at any layout equals the single-process update to this relative error
 # the same rows with padding elsewhere (verl's nested rows are padded on the right, the reference's prompts on the

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from engine_helpers import reference
 from test_integrations_verl_engine import LAYOUT, VALUES
+
 from verl_shared import rel_change, rollout
 
 HERE = Path(__file__).resolve().parent

@@ -7,9 +7,9 @@ import pytest
 import torch
 from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
-from verl_shared import MODES
 
 from ppo_critic import algos
+from verl_shared import MODES
 
 # verl adds 1e-8 to its count denominators (masked_mean, seq-mean-token-mean); ours divide by the count (>= 1). In
 # float64 that is the only difference: relative <= 1e-8 per division, so 2e-8 on O(1) numbers bounds it.

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from ppo_critic.bench import make_worker, rollouts
-from ppo_critic.bench_config import BenchConfig
+from ppo_critic.config.bench import BenchConfig
 from ppo_critic.integrations.verl_bench import verls_critic_class
+from ppo_critic.throughput import make_worker, resolved, rollouts
 
 TINY = BenchConfig(layers=2, hidden=32, heads=4, kv_heads=2, vocab=64, batch=8, prompt=16, response=24, micro=2)
 # fp32 forwards of the same weights whose attention sums run in another order (packed vs padded rows, one sequence
@@ -23,7 +23,7 @@ REORDERED = {"rtol": 1e-5, "atol": 1e-5}
 
 @pytest.fixture(scope="module")
 def cfg():
-    return TINY.resolved()
+    return resolved(TINY)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_verl_paths_compute_ppo_critics_values_with_verls_critic(cfg, batch, pat
 def test_verl_path_updates_like_ppo_critic_with_one_micro_batch(cfg, batch):
     """One micro-batch per mini-batch: verl's update and ours are the same step from the same weights (SGD keeps
     the step linear in the gradient, so a different gradient cannot hide behind Adam's normalisation)."""
-    one = BenchConfig(**{**TINY.__dict__, "micro": TINY.batch}).resolved()
+    one = resolved(BenchConfig(**{**TINY.__dict__, "micro": TINY.batch}))
     ours, verl = make_worker(one, "packed"), make_worker(one, "verl_packed")
     ours.critic.critic_optimizer = torch.optim.SGD(ours.model.parameters(), lr=0.1)
     verl.critic.critic_optimizer = torch.optim.SGD(verl.critic.critic_module.parameters(), lr=0.1)
@@ -83,4 +83,4 @@ def test_bench_reports_ours_against_the_fastest_verl_path(tmp_path):
 
 def test_verl_paths_refuse_float16(cfg):
     with pytest.raises(ValueError, match=re.escape("dtype=torch.float16: verl's critic computes under bf16 autocast")):
-        make_worker(BenchConfig(**{**TINY.__dict__, "dtype": "float16"}).resolved(), "verl")
+        make_worker(resolved(BenchConfig(**{**TINY.__dict__, "dtype": "float16"})), "verl")

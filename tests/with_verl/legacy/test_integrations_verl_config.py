@@ -12,11 +12,11 @@ from omegaconf import OmegaConf
 from verl.workers.config import FSDPCriticConfig, FSDPOptimizerConfig
 from verl.workers.config.critic import FSDPCriticModelCfg
 from verl_helpers import critic_dataclass
-from verl_shared import VERL_CONFIG_DIR, composed
 
 import ppo_critic.integrations.verl as integration
 from ppo_critic import CriticConfig, DataParallelPPOCritic, build_value_model
 from ppo_critic.worker import worker_config
+from verl_shared import VERL_CONFIG_DIR, composed
 
 SHARED = [
     "critic.ppo_mini_batch_size=32",
@@ -163,7 +163,7 @@ def test_verls_dataclass_built_by_hand_as_in_verls_own_tests(model_dir):
 
 def test_keys_of_verls_worker_are_set_aside_and_listed_once(caplog):
     cfg = composed(["critic.strategy=fsdp2"])
-    with caplog.at_level(logging.DEBUG, logger="ppo_critic.config"):
+    with caplog.at_level(logging.DEBUG, logger="ppo_critic.config.critic"):
         first = CriticConfig.from_any(cfg.critic)
         CriticConfig.from_any(cfg.critic)
     listed = [r.getMessage() for r in caplog.records if "read by verl's worker" in r.getMessage()]

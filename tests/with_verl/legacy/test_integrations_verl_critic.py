@@ -15,9 +15,9 @@ import torch
 from verl.workers.config import FSDPCriticConfig
 from verl.workers.config.critic import FSDPCriticModelCfg
 from verl_helpers import VerlCritic, verl_critic_in_fp32
-from verl_shared import MODES, params, rel_change, rollout
 
 from ppo_critic import DataParallelPPOCritic
+from verl_shared import MODES, params, rel_change, rollout
 
 # fp32 gradients of the same graph summed in another order: rounding <= a few ulp per term over a few hundred
 # terms, far below 1e-6 relative; a wrong normalisation shows up at 1e-2 and above

@@ -14,6 +14,7 @@ import pytest
 import torch
 from verl.trainer.ppo.metric_utils import reduce_metrics
 from verl_helpers import OursInVerl, VerlCritic, make_worker, worker_update, worker_values
+
 from verl_shared import params, rel_change, rollout
 
 SAME = 1e-6  # see test_integrations_verl_critic.py: rounding of one fp32 gradient summed in another order

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 from verl_helpers import make_worker, worker_update, worker_values
-from verl_shared import params, rel_change, rollout
 from worker_dp2 import SGD
+
+from verl_shared import params, rel_change, rollout
 
 HERE = Path(__file__).resolve().parent
 LAYOUT = 1e-5  # DESIGN §6: one update at any layout equals the single-process update to this relative error

@@ -18,9 +18,9 @@ from omegaconf import DictConfig
 from verl import DataProto
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.critic import dp_critic
-from verl_shared import composed, hydra_value
 
 import ppo_critic.integrations.verl as integration
+from verl_shared import composed, hydra_value
 
 VerlCritic = integration.REPLACED[dp_critic.__name__]  # verl's own critic, which the integration replaced
 OursInVerl = integration.DataParallelPPOCritic

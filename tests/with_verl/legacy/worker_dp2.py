@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from verl import DataProto
 from verl_helpers import VerlCritic, make_worker, worker_values
-from verl_shared import params
 
 import ppo_critic.integrations.verl as integration
+from verl_shared import params
 
 GLOBAL = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4, "forward_micro_batch_size_per_gpu": 4}
 SGD = {"optim.optimizer": "SGD", "optim.weight_decay": 0.0, "optim.lr": 0.1}

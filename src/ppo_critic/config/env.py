@@ -1,0 +1,37 @@
+"""ppo-critic's own critic options for critics that another framework constructs from its own config (which cannot
+carry them): `PPO_CRITIC_OPTIONS="ema_decay=0.9 shuffle=true"`, key=value pairs of the critic section."""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+from ppo_critic.config.critic import CriticConfig
+
+OPTIONS_ENV = "PPO_CRITIC_OPTIONS"
+
+
+def with_options(base: CriticConfig) -> CriticConfig:
+    """`base` with `PPO_CRITIC_OPTIONS` applied (checked as the critic checks its config; errors name the variable);
+    the verl keys `base` set aside are kept."""
+    options = shlex.split(os.environ.get(OPTIONS_ENV, ""))
+    if not options:
+        return base
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    bad = [o for o in options if "=" not in o]
+    if bad:
+        raise ValueError(f"{OPTIONS_ENV} holds {bad}; it takes key=value pairs, e.g. {OPTIONS_ENV}='ema_decay=0.9'")
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(base.to_dict()), OmegaConf.from_dotlist(options))
+        plain = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as err:
+        raise ValueError(f"could not read {OPTIONS_ENV}: {err}") from err
+    try:
+        config = CriticConfig.from_dict(plain)
+        config.validate(worker=False)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{OPTIONS_ENV}: {err}") from err
+    config.verl_keys = base.verl_keys
+    return config

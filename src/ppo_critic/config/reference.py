@@ -1,0 +1,152 @@
+"""What every option of `ppo-critic train` and `ppo-critic bench` means, rendered as `--help` text and as YAML.
+
+The one source is each config field's attribute docstring (PEP 257: the string literal after the field), read
+from the module's source with `ast` without importing it, so `bench --help` needs no torch. `configs/default.yaml`
+is `render_yaml(TrainConfig())`, written by `ppo-critic train --print-config`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ppo_critic.config.tasks import TASK_CONFIGS
+from ppo_critic.config.train import DEFAULT_MODEL, TrainConfig
+
+# sections of `train --help`, in this order ("": the top-level options)
+HELP_SECTIONS = ("trainer", "critic", "critic.model", "critic.optim", "critic.megatron", "task", "")
+YAML_HEADER = """\
+# Every option of `ppo-critic train`, its value and what it does. Use: ppo-critic train --config FILE [key=value ...]
+# Written by `ppo-critic train --print-config [--config FILE] [key=value ...]`; without options: configs/default.yaml.
+
+"""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option (`section`: a group of options, e.g. `critic.model`); `is_set` is false for a task option
+    that the `task` mapping leaves at its default."""
+
+    key: str
+    value: Any
+    doc: str
+    section: bool = False
+    is_set: bool = True
+
+
+@functools.cache
+def _module_fields(module: str) -> dict[str, list[tuple[str, ast.expr | None, str]]]:
+    """Class name -> (field, default expression, docstring) of every annotated field of `module`'s classes,
+    parsed from its source file (the module is not imported)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(f"no source for {module}", name=module)
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    classes = {}
+    for node in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        fields = []
+        for stmt, after in zip(node.body, [*node.body[1:], None], strict=True):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                docstring = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                doc = after.value.value if docstring and isinstance(after.value.value, str) else ""
+                fields.append((stmt.target.id, stmt.value, " ".join(doc.split())))
+        classes[node.name] = fields
+    return classes
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its one-line description, for every field of `cls` that has one."""
+    return {name: doc for name, _, doc in _module_fields(cls.__module__)[cls.__qualname__] if doc}
+
+
+def train_options(cfg: TrainConfig) -> list[Option]:
+    """Every option of `cfg` and every group of options, in field order, nested keys dotted."""
+    return _walk(cfg, "")
+
+
+def _walk(obj: Any, prefix: str) -> list[Option]:
+    docs = field_docs(type(obj))
+    options = []
+    for f in dataclasses.fields(obj):
+        key, value, doc = prefix + f.name, getattr(obj, f.name), docs.get(f.name, "")
+        if isinstance(obj, TrainConfig) and f.name == "task":
+            options += [Option(key, None, doc, section=True), *_task_options(obj)]
+        elif dataclasses.is_dataclass(value):
+            options += [Option(key, None, doc, section=True), *_walk(value, f"{key}.")]
+        else:
+            options.append(Option(key, value, doc + _default_model_note(key)))
+    return options
+
+
+def _task_options(cfg: TrainConfig) -> list[Option]:
+    """`task.name` and the options of that task, those the `task` mapping leaves out marked as not set."""
+    task = cfg.task_config()
+    doc = f"the task: {', '.join(TASK_CONFIGS)} (--print-config task.name=X lists the options of X)"
+    name = Option("task.name", cfg.task.get("name", "counting"), doc)
+    docs = field_docs(type(task))
+    return [name] + [
+        Option(f"task.{f.name}", getattr(task, f.name), docs.get(f.name, ""), is_set=f.name in cfg.task)
+        for f in dataclasses.fields(task)
+    ]
+
+
+def _default_model_note(key: str) -> str:
+    """What `critic.model.override_config` completes when no `critic.model.path` is given."""
+    if key != "critic.model.override_config":
+        return ""
+    shape = " ".join(f"{name}={value}" for name, value in DEFAULT_MODEL.items())
+    return f". ppo-critic train with path null: {shape} vocab_size=<the rollouts' vocabulary>, each replaced by yours"
+
+
+def bench_options() -> list[Option]:
+    """The options of `ppo-critic bench` (`ppo_critic.config.bench.BenchConfig`) read from its source: no torch."""
+    return [
+        Option(name, ast.literal_eval(default) if default is not None else None, doc)
+        for name, default, doc in _module_fields("ppo_critic.config.bench")["BenchConfig"]
+    ]
+
+
+def render_help(options: list[Option], sections: tuple[str, ...] | None = None) -> str:
+    """`key=value  description` per option; grouped under each section's title in `sections` order when given."""
+    leaves = [o for o in options if not o.section]
+    if sections is None:
+        return "\n".join(_help_line(o) for o in leaves)
+    titles = {o.key: o.doc for o in options if o.section} | {"": "the rollout source"}
+    blocks = []
+    for section in sections:
+        lines = [_help_line(o) for o in leaves if o.key.rpartition(".")[0] == section]
+        blocks.append(f"{section or 'top level'}: {titles[section]}\n" + "\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def _help_line(option: Option) -> str:
+    return f"  {option.key}={yaml_value(option.value)}  {option.doc}"
+
+
+def render_yaml(cfg: TrainConfig) -> str:
+    """`cfg` as a YAML file that loads back to it, every option with its description as a comment; the task's
+    options that `task` leaves out are listed commented out."""
+    lines = []
+    for option in train_options(cfg):
+        depth, name = option.key.count("."), option.key.rpartition(".")[2]
+        if option.section:
+            lines += [""] if depth == 0 and lines else []  # a blank line between the top-level groups
+            lines.append(f"{'  ' * depth}{name}:  # {option.doc}")
+        else:
+            mark = "" if option.is_set else "# "
+            lines.append(f"{'  ' * depth}{mark}{name}: {yaml_value(option.value)}  # {option.doc}")
+    return YAML_HEADER + "\n".join(lines) + "\n"
+
+
+def yaml_value(value: Any) -> str:
+    """`value` as one line of YAML (flow style), as it is typed in a config file or a key=value override."""
+    plain = list(value) if isinstance(value, tuple) else value
+    return yaml.safe_dump(plain, default_flow_style=True, width=math.inf).removesuffix("...\n").strip()

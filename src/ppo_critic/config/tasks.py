@@ -1,0 +1,217 @@
+"""The built-in tasks' options (`task.*` of `ppo-critic train`, chosen by `task.name`), torch-free so configs load
+and `--help` runs without torch. What each option means for its task's rollouts is in `ppo_critic.tasks.<name>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ppo_critic.config.task_checks import (
+    check_at_least,
+    check_ints,
+    check_lengths,
+    check_min_count,
+    check_numbers,
+    check_order,
+    check_probabilities,
+    check_probability,
+    require,
+)
+
+MAX_LONG_RESPONSE = 1000  # binomial_tail_table's float64 products overflow past n ~ 1030
+
+
+@dataclass
+class CountingTaskConfig:
+    """Sizes and probabilities of the counting task (see `ppo_critic.tasks.counting`)."""
+
+    num_targets: int = 2
+    """target tokens: each prompt names one of them"""
+    num_fillers: int = 8
+    """filler tokens: the random start of a prompt, and with the other targets the non-target response tokens"""
+    min_prompt_len: int = 2
+    """the fewest fillers a prompt starts with"""
+    max_prompt_len: int = 6
+    """the most fillers a prompt starts with"""
+    min_response_len: int = 4
+    """the shortest response (tokens)"""
+    max_response_len: int = 12
+    """the longest response (tokens)"""
+    target_prob: float = 0.25
+    """the probability that a response token is the prompt's target"""
+    min_count: int = 2
+    """reward 1 when the response holds the target at least this often, else 0"""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field, so a bad CLI override is easy to fix."""
+        check_ints(self, "num_targets", "num_fillers", "min_response_len", "max_response_len")
+        check_at_least(self, "num_targets", 1)
+        check_at_least(self, "num_fillers", 1, why="prompt fillers")
+        check_lengths(self, "prompt", shortest=0)
+        check_at_least(self, "min_response_len", 1)
+        check_order(self, "min_response_len", "max_response_len", blame="min_response_len")
+        check_probability(self, "target_prob")
+        check_min_count(self)
+
+
+@dataclass
+class DenseTaskConfig:
+    """Sizes and stickiness of the dense task (see `ppo_critic.tasks.dense`)."""
+
+    num_symbols: int = 6
+    """symbol tokens: the prompt's fillers and liked symbol, and every response token"""
+    min_prompt_len: int = 2
+    """the fewest fillers a prompt starts with"""
+    max_prompt_len: int = 6
+    """the most fillers a prompt starts with"""
+    min_response_len: int = 4
+    """the shortest response (tokens)"""
+    max_response_len: int = 16
+    """the longest response (tokens)"""
+    stay_prob: float = 0.5
+    """the probability that a response token repeats the one before it (else it is drawn uniformly)"""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field, so a bad CLI override is easy to fix."""
+        check_ints(self, "num_symbols")
+        check_at_least(self, "num_symbols", 2)
+        check_lengths(self, "prompt", shortest=0)
+        check_lengths(self, "response", shortest=1)
+        check_probability(self, "stay_prob", closed_low=True)
+
+
+@dataclass
+class LongTaskConfig:
+    """Drifts and lengths of the long task (see `ppo_critic.tasks.long`)."""
+
+    up_probs: tuple[float, ...] = (0.45, 0.5, 0.55)
+    """the probability of an up step, one per drift token a prompt may name"""
+    min_prompt_len: int = 2
+    """the fewest random steps a prompt starts with"""
+    max_prompt_len: int = 6
+    """the most random steps a prompt starts with"""
+    min_response_len: int = 256
+    """the shortest response (tokens)"""
+    max_response_len: int = 288
+    """the longest response (tokens; at most 1000)"""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field, so a bad CLI override is easy to fix."""
+        check_probabilities(self, "up_probs")
+        check_lengths(self, "prompt", shortest=0)
+        check_lengths(self, "response", shortest=1)
+        high = self.max_response_len
+        require(self, high <= MAX_LONG_RESPONSE, "max_response_len", f"must be <= {MAX_LONG_RESPONSE}, got {high}")
+
+
+@dataclass
+class RecallTaskConfig:
+    """Sizes and probabilities of the recall task (see `ppo_critic.tasks.recall`)."""
+
+    num_symbols: int = 4
+    """symbols: every response token; the key token names one of them"""
+    num_fillers: int = 8
+    """filler tokens: the distractors between the key and the length token"""
+    min_distractors: int = 32
+    """the fewest random fillers between the key (the prompt's second token) and the length token ending it"""
+    max_distractors: int = 40
+    """the most random fillers between the key and the length token"""
+    min_response_len: int = 4
+    """the shortest response (tokens)"""
+    max_response_len: int = 12
+    """the longest response (tokens)"""
+    key_prob: float = 0.25
+    """the probability that a response token is the key (1/num_symbols: the response alone does not reveal it)"""
+    min_count: int = 2
+    """reward 1 when the response holds the key at least this often, else 0"""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field, so a bad CLI override is easy to fix."""
+        check_ints(self, "num_symbols", "num_fillers", "min_distractors", "max_distractors")
+        check_at_least(self, "num_symbols", 2)
+        check_at_least(self, "num_fillers", 1)
+        check_at_least(self, "min_distractors", 0)
+        check_order(self, "min_distractors", "max_distractors", blame="max_distractors")
+        check_lengths(self, "response", shortest=1)
+        check_probability(self, "key_prob")
+        check_min_count(self)
+
+
+@dataclass
+class LengthsTaskConfig:
+    """Sizes and probabilities of the lengths task (see `ppo_critic.tasks.lengths`)."""
+
+    num_targets: int = 4
+    """target tokens: each prompt names one of them"""
+    num_fillers: int = 8
+    """filler tokens: the random start of a prompt, and with the other targets the non-target response tokens"""
+    min_prompt_len: int = 2
+    """the fewest fillers a prompt starts with"""
+    max_prompt_len: int = 6
+    """the most fillers a prompt starts with"""
+    min_response_len: int = 8
+    """the shortest response (tokens, its closing EOS included): no EOS comes earlier"""
+    max_response_len: int = 96
+    """the longest response: if no EOS came earlier, its last token is EOS"""
+    stop_probs: tuple[float, ...] = (0.2, 0.03)
+    """the probability that a response token (the min_response_len-th or a later one) is EOS, one per pace token a
+    prompt may name"""
+    target_prob: float = 0.15
+    """the probability that a response token other than EOS is the prompt's target"""
+    min_count: int = 4
+    """reward 1 on the EOS when the response holds the target at least this often, else 0"""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field, so a bad CLI override is easy to fix."""
+        check_ints(self, "num_targets", "num_fillers")
+        check_at_least(self, "num_targets", 1)
+        check_at_least(self, "num_fillers", 1, why="prompt fillers")
+        check_lengths(self, "prompt", shortest=0)
+        check_lengths(self, "response", shortest=1)
+        check_probabilities(self, "stop_probs")
+        check_probability(self, "target_prob")
+        check_min_count(self)
+
+
+@dataclass
+class ScaleTaskConfig:
+    """Sizes and the reward's scale of the scale task (see `ppo_critic.tasks.scale`)."""
+
+    num_levels: int = 5
+    """score tokens, worth evenly spaced amounts from -1 to 1"""
+    num_offsets: int = 3
+    """offset tokens: each prompt names one, which sets the reward's offset"""
+    reward_center: float = 10.0
+    """the middle of the offsets (the rewards' mean)"""
+    reward_spread: float = 30.0
+    """the offsets are evenly spaced from reward_center - reward_spread to reward_center + reward_spread"""
+    reward_scale: float = 10.0
+    """the reward adds reward_scale times the mean worth of the response's score tokens to the offset"""
+    min_prompt_len: int = 2
+    """the fewest random score tokens a prompt starts with"""
+    max_prompt_len: int = 6
+    """the most random score tokens a prompt starts with"""
+    min_response_len: int = 4
+    """the shortest response (tokens)"""
+    max_response_len: int = 16
+    """the longest response (tokens)"""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field, so a bad CLI override is easy to fix."""
+        check_ints(self, "num_levels", "num_offsets")
+        check_at_least(self, "num_levels", 2)
+        check_at_least(self, "num_offsets", 1)
+        check_numbers(self, "reward_center", "reward_spread", "reward_scale")
+        require(self, self.reward_spread >= 0, "reward_spread", f"must be >= 0, got {self.reward_spread}")
+        check_lengths(self, "prompt", shortest=0)
+        check_lengths(self, "response", shortest=1)
+
+
+TASK_CONFIGS = {
+    "counting": CountingTaskConfig,
+    "dense": DenseTaskConfig,
+    "long": LongTaskConfig,
+    "recall": RecallTaskConfig,
+    "lengths": LengthsTaskConfig,
+    "scale": ScaleTaskConfig,
+}

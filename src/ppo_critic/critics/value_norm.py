@@ -1,0 +1,119 @@
+"""Return normalisation for the critic (`critic.value_norm`): running statistics of the returns, and PopArt.
+
+- `off`: the model predicts returns directly.
+- `running`: the model predicts `(return − μ) / σ`, where μ, σ are the mean and standard deviation of every valid
+  return seen so far (all `update_critic` calls, all data-parallel ranks). `compute_values` de-normalises; the loss
+  is computed in normalised space against normalised returns, with the old values normalised by the same μ, σ
+  (so `cliprange_value` is in units of σ). When μ, σ move, the model's de-normalised outputs move with them.
+- `popart` (van Hasselt et al., 2016, "Learning values across many orders of magnitude"): as `running`, and
+  whenever μ, σ change the value head's weight and bias are rescaled so that the de-normalised predictions stay
+  the same: `w' = w·σ/σ'`, `b' = (σ·b + μ − μ')/σ'`.
+
+The statistics are updated once per `update_critic` call, before its first step, from the call's valid returns;
+they are sums (count, sum, sum of squares) reduced over the data-parallel ranks, merged into the running values
+(Chan et al.'s parallel variance), so every rank holds the same μ, σ. Before the first update μ = 0, σ = 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ppo_critic.config.modes import VALUE_NORM_MODES
+
+MIN_STD = 1e-4  # σ never goes below this, so constant returns (e.g. a first batch of zeros) cannot divide by ~0
+STATE_KEYS = ("value_norm/count", "value_norm/mean", "value_norm/var")
+
+
+class ValueNormalizer:
+    """Running mean/variance of the returns (float64) and the maps between raw and normalised values."""
+
+    def __init__(self, mode: str = "off", device: torch.device | str = "cpu"):
+        if mode not in VALUE_NORM_MODES:
+            raise ValueError(f"value_norm={mode!r} is unknown; expected one of {VALUE_NORM_MODES}")
+        self.mode = mode
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
+        self.mean = torch.zeros((), dtype=torch.float64, device=device)
+        self.var = torch.ones((), dtype=torch.float64, device=device)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def std(self) -> Tensor:
+        return self.var.sqrt().clamp(min=MIN_STD)
+
+    def normalise(self, x: Tensor) -> Tensor:
+        """Raw values/returns → the model's output space (`x` itself when off)."""
+        if not self.enabled:
+            return x
+        return ((x.double() - self.mean) / self.std).to(x.dtype)
+
+    def denormalise(self, y: Tensor) -> Tensor:
+        """Model outputs → raw values (`y` itself when off)."""
+        if not self.enabled:
+            return y
+        return (self.mean + self.std * y.double()).to(y.dtype)
+
+    def update(
+        self,
+        returns: Tensor,
+        mask: Tensor,
+        all_reduce: Callable[[Tensor], Tensor] = lambda x: x,
+        head: nn.Linear | None = None,
+    ) -> None:
+        """Merge the valid `returns` (summed over ranks by `all_reduce`) into the statistics; with PopArt, rescale
+        `head` so that its de-normalised outputs are unchanged. A no-op when off or when nothing is valid."""
+        if not self.enabled:
+            return
+        valid = mask.bool()
+        r = torch.where(valid, returns.double(), 0.0)
+        n, total, total_sq = all_reduce(torch.stack([valid.sum().double(), r.sum(), (r * r).sum()])).unbind()
+        if n.item() == 0:
+            return
+        batch_mean = total / n
+        batch_var = (total_sq / n - batch_mean**2).clamp(min=0.0)
+        merged = self.count + n
+        delta = batch_mean - self.mean
+        new_mean = self.mean + delta * n / merged
+        new_var = (self.count * self.var + n * batch_var + delta**2 * self.count * n / merged) / merged
+        old_mean, old_std = self.mean, self.std
+        self.count, self.mean, self.var = merged, new_mean, new_var
+        if self.mode == "popart":
+            if head is None:
+                raise ValueError("value_norm=popart needs the model's value head to rescale")
+            preserve_outputs(head, old_mean, old_std, self.mean, self.std)
+
+    def fold_into(self, head: nn.Linear) -> None:
+        """Make a copy's `head` predict raw values (`w ← σ·w`, `b ← σ·b + μ`): an export needs no statistics."""
+        zero, one = torch.zeros_like(self.mean), torch.ones_like(self.var)
+        preserve_outputs(head, self.mean, self.std, zero, one)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The statistics under checkpoint names (`STATE_KEYS`)."""
+        return dict(zip(STATE_KEYS, (self.count, self.mean, self.var), strict=True))
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        device = self.mean.device
+        self.count, self.mean, self.var = (state[k].to(device, torch.float64) for k in STATE_KEYS)
+
+
+@torch.no_grad()
+def preserve_outputs(head: nn.Linear, old_mean: Tensor, old_std: Tensor, new_mean: Tensor, new_std: Tensor) -> None:
+    """PopArt's output-preserving update of a `Linear(hidden, 1)`: after it, `new_mean + new_std·head(h)` equals
+    `old_mean + old_std·head(h)` for every `h` (computed in float64, then stored in the parameters' dtype).
+
+    Works in place on plain, DDP and sharded (FSDP2 DTensor, FSDP1 flat-parameter views) parameters alike:
+    every operation is elementwise.
+    """
+    scale = (old_std / new_std).item()
+    head.weight.copy_((head.weight.double() * scale).to(head.weight.dtype))
+    if head.bias is None:
+        if (old_mean - new_mean).abs().item() > 0:
+            raise ValueError("value_norm=popart needs a value head with a bias (the mean shift goes there)")
+        return
+    shift = ((old_mean - new_mean) / new_std).item()
+    head.bias.copy_((head.bias.double() * scale + shift).to(head.bias.dtype))

@@ -1,9 +1,0 @@
-"""The names of the critic's loss, normalisation and target modes, torch-free, so configs can check them without torch.
-
-`ppo_critic.algos` and `ppo_critic.value_norm` implement them; `ppo_critic.config` validates against them.
-"""
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-VF_LOSS_TYPES = ("mse", "huber")
-VALUE_NORM_MODES = ("off", "running", "popart")
-LENGTH_ADAPTIVE_SCOPES = ("response", "batch")  # whose length sets the length-adaptive λ

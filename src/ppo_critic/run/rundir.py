@@ -1,0 +1,285 @@
+"""A run directory and its one writer: the lock, what a new or a resumed run may do with what is already there, the
+checkpoint a run resumes from, and the options a resumed run may change (DESIGN §7: the user's files are sacred).
+
+Only the first rank touches the directory; `agree` carries its outcome (or its error) to every rank, so a refusal
+ends the whole job at once instead of leaving the other ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ppo_critic.run.checkpoint import CheckpointDamaged, complete_checkpoints
+from ppo_critic.run.files import RunDirLock, move_aside, write_file
+from ppo_critic.run.runlog import METRICS_FILE
+
+CONFIG_FILE = "config.yaml"
+MARKER = ".ppo-critic-run"  # in every run directory from its first config.yaml on
+SCAN_LIMIT = 20_000  # directories looked into for run directories inside one a command would move aside or fill
+CHANGES_FILE = "config_changes.jsonl"
+# what `ppo-critic train` writes into a run directory (a directory holding any of these holds a run)
+MANAGED = (CONFIG_FILE, CHANGES_FILE, METRICS_FILE, "curves.png", "checkpoints", "hf")
+MANAGED += ("tensorboard", "tracking.json", "wandb", "mlruns")  # what the experiment loggers write
+# options a resumed run may change: applied from the step it resumes at, reported, and recorded in CHANGES_FILE
+CHANGEABLE_ON_RESUME = (
+    "trainer.steps",
+    "trainer.eval_every",
+    "trainer.save_every",
+    "trainer.keep_last_n",
+    "trainer.progress",
+    "trainer.log_every",
+    "trainer.logger",
+    "trainer.project_name",
+    "trainer.experiment_name",
+    "trainer.export_hf",
+    "trainer.dist_timeout_s",
+    "trainer.device",
+    "critic.optim.lr",
+)
+NOT_COMPARED = ("trainer.resume", "trainer.run_dir")  # how the run is found, not what it is
+# options added after runs were saved: the value a saved config without them meant (such a run stays resumable)
+ADDED_OPTIONS = {"trainer.length_adaptive_scope": "response"}
+T = TypeVar("T")
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    return any((run_dir / name).exists() for name in MANAGED)
+
+
+def same_options(options: dict[str, Any]) -> None:
+    """Under torchrun, every rank must run the same options: a rank started otherwise (another seed, rate, run
+    directory, data file, size) would train apart or abort in a collective. The keys that differ are named."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    flat = flat_options(options)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, flat)
+    keys = sorted({k for other in every for k in other.keys() | flat.keys() if other.get(k) != every[0].get(k)})
+    if keys:
+        listed = "; ".join(f"{k}: " + ", ".join(f"rank {r} {o.get(k)!r}" for r, o in enumerate(every)) for k in keys)
+        raise ValueError(f"the ranks were started with different options ({listed}); start every rank alike")
+
+
+def agree(lead: bool, action: Callable[[], T]) -> T | None:
+    """`action()` on the first rank; its error, if any, raised on every rank (under torchrun). Returns the
+    result on the first rank, None elsewhere."""
+    import torch.distributed as dist
+
+    result, error = None, None
+    if lead:
+        try:
+            result = action()
+        except (OSError, ValueError) as err:
+            error = err
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise error
+    return result
+
+
+def claim(run_dir: Path, resume: str, overwrite: bool, say: Callable[[str], None]) -> RunDirLock:
+    """Lock `run_dir` for this run. A new run (`resume=never`) does not start over an existing one: that is an
+    error, or with `overwrite` the old run is moved aside (renamed, never deleted)."""
+    lock = RunDirLock(run_dir).acquire()
+    if resume != "never" or not holds_a_run(run_dir):
+        return lock
+    if not overwrite:
+        lock.release()
+        raise ValueError(
+            f"trainer.resume=never, but {run_dir} holds a run ({', '.join(_contents(run_dir))}); choose another "
+            "trainer.run_dir, continue it with trainer.resume=auto, or pass --overwrite to move it aside"
+        )
+    aside = move_aside(run_dir)  # our lock moves with it and is still held: nobody slips in
+    fresh = RunDirLock(run_dir).acquire()
+    lock.release()
+    say(f"moved the previous run aside to {aside}")
+    return fresh
+
+
+def resume(ckpt_root: Path, resume: str, load: Callable[[Path], T], say: Callable[[str], None]) -> T | None:
+    """`load(checkpoint)` of the checkpoint to resume from: `resume=auto` takes the newest complete one that
+    verifies (saying which damaged ones it skipped; none at all verifying is an error), a path takes that one,
+    `never` none."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        return load(Path(resume))
+    candidates = complete_checkpoints(ckpt_root)[::-1]
+    problems = []
+    for checkpoint in candidates:
+        try:
+            result = load(checkpoint)
+        except CheckpointDamaged as err:
+            problems.append(str(err))
+            say(f"{err}; trying the checkpoint before it")
+            continue
+        return result
+    if problems:
+        raise ValueError(
+            f"no checkpoint under {ckpt_root} verifies ({'; '.join(problems)}); restore them from a copy, or start "
+            "a new run (another trainer.run_dir, or trainer.resume=never --overwrite to move this one aside)"
+        )
+    return None
+
+
+def check_nothing_to_lose(run_dir: Path) -> None:
+    """A run starting at step 0 in a directory whose metrics record steps (no checkpoint was saved: e.g.
+    `trainer.save_every=0`, killed before the last step) would replace them: refused, naming the way out."""
+    rows = _metrics_rows(run_dir / METRICS_FILE)
+    if rows:
+        raise ValueError(
+            f"{run_dir} records {rows} step(s) in {METRICS_FILE} but holds no checkpoint to resume them from (saved "
+            "every trainer.save_every steps; 0: at the last one only); starting again would replace them: pass "
+            "trainer.resume=never --overwrite to move the run aside and start afresh, or choose another trainer.run_dir"
+        )
+
+
+def _metrics_rows(path: Path) -> int:
+    """The number of rows of a metrics file (0 when it is absent)."""
+    if not path.is_file():
+        return 0
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def option_changes(run_dir: Path, current: dict[str, Any], changeable: tuple[str, ...]) -> dict[str, list[Any]]:
+    """The options of this invocation that differ from the saved run's (`key: [saved, now]`): those in
+    `changeable`; any other difference is an error listing them all."""
+    import yaml
+
+    saved_file = run_dir / CONFIG_FILE
+    if not saved_file.is_file():
+        return {}
+    saved = {**ADDED_OPTIONS, **flat_options(yaml.safe_load(saved_file.read_text()) or {})}
+    now = {**ADDED_OPTIONS, **flat_options(current)}
+    differ = {k: [saved.get(k), now.get(k)] for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)}
+    differ = {k: v for k, v in differ.items() if k not in NOT_COMPARED}
+    refused = {k: v for k, v in differ.items() if k not in changeable}
+    if refused:
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
+        raise ValueError(
+            f"these options differ from the run being resumed in {run_dir} (saved -> now): {listed}. They cannot "
+            f"change mid-run: keep them as saved (see {saved_file}), or start a new run (another trainer.run_dir, "
+            f"or trainer.resume=never --overwrite). Options that may change on resume: {', '.join(changeable)}"
+        )
+    return differ
+
+
+def record_changes(run_dir: Path, step: int, changes: dict[str, list[Any]]) -> None:
+    """Append `{"step", "changed": {key: [old, new]}}` to the run's history of option changes."""
+    path = run_dir / CHANGES_FILE
+    old = path.read_text() if path.is_file() else ""
+    write_file(path, old + json.dumps({"step": step, "changed": changes}) + "\n")
+
+
+def flat_options(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}` (an `override_config` stays one value)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and key != "override_config":
+            out |= flat_options(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _contents(run_dir: Path) -> list[str]:
+    return [name for name in MANAGED if (run_dir / name).exists()]
+
+
+def is_run_dir(path: Path) -> bool:
+    """A run directory, whatever its name: it holds our marker, or (a run written before the marker) a config.yaml."""
+    path = Path(path)
+    return (path / MARKER).is_file() or (path / CONFIG_FILE).is_file()
+
+
+def mark(run_dir: Path, finished_step: int | None = None) -> None:
+    """Say in `run_dir` that it holds a run (written with its first config.yaml), and once its final outputs (curves,
+    HF export) are written, for which step."""
+    if finished_step is not None or not (run_dir / MARKER).is_file():
+        write_file(run_dir / MARKER, json.dumps({"ppo_critic_run": True, "finished_step": finished_step}) + "\n")
+
+
+def finished_step(run_dir: Path) -> int | None:
+    """The step whose final outputs the run last wrote, from its marker; None when not recorded (or unreadable)."""
+    try:
+        record = json.loads((run_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    step = record.get("finished_step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def runs_touched(path: Path, own: Path | None = None) -> list[tuple[str, Path]]:
+    """The run directories, other than `own`, whose files a command writing at `path` would touch: those it is or
+    lies in, and (a directory) those it holds; each as (how, run). Symlinks are followed, `..` resolved."""
+    target = Path(path).resolve()
+    own = Path(own).resolve() if own is not None else None
+    found = [("is" if run == target else "is inside", run) for run in (target, *target.parents) if is_run_dir(run)]
+    found += [("holds", run) for run in _runs_below(target)]
+    return [(how, run) for how, run in found if run != own]
+
+
+def _runs_below(root: Path) -> list[Path]:
+    """The first run directory strictly below `root` (symlinks not followed: moving `root` leaves their targets)."""
+    looked = 0
+    for parent, dirs, _ in os.walk(root):
+        looked += len(dirs)
+        if looked > SCAN_LIMIT:
+            raise ValueError(
+                f"{root} holds more than {SCAN_LIMIT} directories, too many to check that no run directory is among "
+                "them; name a new or an empty directory"
+            )
+        runs = [Path(parent, d) for d in dirs if is_run_dir(Path(parent, d))]
+        if runs:
+            return runs[:1]
+    return []
+
+
+def check_place(path: Path, what: str, own: Path | None = None) -> None:
+    """Refuse `path` (named `what` in the message) when a command writing there would touch another run directory's
+    files, or replace the working directory (an empty or unset path reads as `.`)."""
+    target = Path(path).resolve()
+    if target == Path.cwd().resolve() or target in Path.cwd().resolve().parents:
+        raise ValueError(
+            f"{what}={str(path)!r} is the working directory or holds it (an empty or unset variable?); name a new "
+            "directory"
+        )
+    for how, run in runs_touched(target, own):
+        whose = ", whose files ppo-critic manages" if how != "holds" else ""
+        raise ValueError(f"{what}={path} {how} the run directory {run}{whose}; write elsewhere")
+
+
+def check_output(out: Path, kind: str, inputs: list[Path], force: bool) -> Path | None:
+    """Refuse an output path that would destroy something: the working directory, one in, at or above any run
+    directory, one that is an input of the command, or an existing `kind` ("file" or "directory") — unless `force`,
+    which replaces a file or moves a directory aside (renamed, never deleted; returned)."""
+    target = Path(out).resolve()
+    check_place(out, "out_dir" if kind == "directory" else "out")
+    for source in inputs:
+        if Path(source).exists() and target.exists() and target.samefile(source) and not force:
+            raise ValueError(
+                f"out={out} is the input {source}: it would be overwritten; choose another out= (or --force)"
+            )
+    if not target.exists():
+        return None
+    if kind == "file":
+        if target.is_dir():
+            raise ValueError(f"out={out} is a directory; name a file")
+        if not force:
+            raise ValueError(f"out={out} exists; choose a new file, or pass --force to replace it")
+        return None
+    if target.is_dir() and not any(target.iterdir()):
+        return None
+    if not force:
+        raise ValueError(f"{out} exists and is not empty; choose a new directory, or pass --force to move it aside")
+    return move_aside(target)

@@ -1,0 +1,112 @@
+"""What both backends of a `CriticWorker` build the same way: the checked config, the HF value model, the
+optimizer's parameter groups, the torch optimizer and the LR schedule."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from torch import nn
+
+from ppo_critic.config.critic import CriticConfig, ModelConfig, OptimConfig, RankSizes
+from ppo_critic.models.hf import build_value_model, find_value_head
+from ppo_critic.models.lora import apply_lora
+from ppo_critic.parallel.mesh import Groups
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a caller that cuts its own mini-batches and built its own process groups (verl ≥ 0.9's engine) hands a
+    worker; None: the worker builds the groups and divides the config's global sizes over the DP ranks."""
+
+    groups: Groups | None = None
+    sizes: RankSizes | None = None
+
+
+def worker_config(config: Any) -> CriticConfig:
+    """The critic config checked for what a worker builds too (model, optimizer, layout), not only the critic."""
+    return CriticConfig.from_any(config, worker=True)
+
+
+def model_from_config(model: ModelConfig) -> nn.Module:
+    """The value model named by `model.path` (+ `override_config`), or built from `override_config` alone; with
+    LoRA adapters (only they and the value head trainable) when `model.lora_rank` > 0."""
+    if model.external_lib:
+        importlib.import_module(model.external_lib)
+    if model.path is None and "model_type" not in model.override_config:
+        raise ValueError(
+            "critic.model.path is not set; give a model directory, or a full transformers config with "
+            "model_type in critic.model.override_config"
+        )
+    overrides = dict(model.override_config)
+    source = model.path if model.path is not None else overrides
+    try:
+        built = build_value_model(
+            source,
+            head=model.head,
+            value_head_init=model.value_head_init,
+            value_head_dtype=model.value_head_dtype,
+            override_config=overrides if model.path is not None else None,
+            attn_implementation=model.attn_implementation,
+            trust_remote_code=model.trust_remote_code,
+        )
+    except (MemoryError, RuntimeError, SafetensorError) as err:  # a model too large to allocate; damaged weights
+        what = f"critic.model.path={model.path}" if model.path is not None else "critic.model.override_config"
+        raise ValueError(f"cannot build the value model of {what}: {type(err).__name__}: {err}") from err
+    if model.lora_rank:
+        built = apply_lora(built, model.lora_rank, model.lora_alpha, model.target_modules)
+    return built
+
+
+def param_groups(model: torch.nn.Module, optim: OptimConfig) -> list[dict[str, Any]]:
+    """The trainable parameters as optimizer groups: one, or with `optim.value_head_lr_ratio` != 1 the body and
+    the value head, each group's `lr_ratio` (its rate over `optim.lr`) kept for a rate changed on resume."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if optim.value_head_lr_ratio == 1:
+        return [{"params": trainable, "lr_ratio": 1.0}]
+    parent, name = find_value_head(model)
+    head = {id(p) for p in getattr(parent, name).parameters()}
+    ratio = optim.value_head_lr_ratio
+    return [
+        {"params": [p for p in trainable if id(p) not in head], "lr_ratio": 1.0},
+        {"params": [p for p in trainable if id(p) in head], "lr_ratio": ratio, "lr": optim.lr * ratio},
+    ]
+
+
+def build_optimizer(params: Any, optim: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW (verl's) or SGD over `params` with `optim`'s settings."""
+    if optim.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=optim.lr, weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(
+        params,
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        fused=optim.fused,
+    )
+
+
+def lr_schedule(optim: OptimConfig, total_steps: int | None) -> Callable[[int], float]:
+    """LR factor per update: linear warmup, then constant or cosine down to `min_lr_ratio` at `total_steps`."""
+    if optim.warmup_style == "cosine" and not total_steps:
+        raise ValueError("optim.warmup_style=cosine needs optim.total_training_steps (or the trainer's step count)")
+    warmup = (
+        optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * (total_steps or 0))
+    )
+    floor = optim.min_lr_ratio or 0.0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if optim.warmup_style == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor

@@ -1,0 +1,156 @@
+"""`CriticWorker`: what a PPO trainer needs around a critic — the value model built from the config, the
+optimizer, the LR schedule, checkpoints and HF export — on a data-parallel or a Megatron backend, chosen by
+`strategy` (`worker.data_parallel`, `worker.megatron`).
+
+The worker takes *global* batch sizes (verl's trainer convention) and hands the critic per-rank sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ppo_critic.data.batch import Batch
+from ppo_critic.parallel.collectives import all_gather_rows
+from ppo_critic.worker.build import Layout, lr_schedule, worker_config
+from ppo_critic.worker.data_parallel import DataParallelBackend
+from ppo_critic.worker.megatron import MegatronBackend
+
+
+class CriticWorker:
+    """Owns the backend (model, optimizer, critic, checkpoint layout) and the schedule; one `update_critic` call =
+    one schedule step."""
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        total_steps: int | None = None,
+        device: str = "auto",
+        seed: int = 0,
+        dist_timeout_s: float = 600.0,
+        layout: Layout | None = None,
+    ):
+        self.config = worker_config(config)
+        optim = self.config.optim
+        factor = lr_schedule(optim, optim.total_training_steps if optim.total_training_steps > 0 else total_steps)
+        backend = MegatronBackend if self.config.strategy == "megatron" else DataParallelBackend
+        self.backend = backend(self.config, device, seed, dist_timeout_s, layout or Layout())
+        self.model, self.optimizer, self.critic = self.backend.model, self.backend.optimizer, self.backend.critic
+        self.device, self.groups, self.hf_config = self.backend.device, self.backend.groups, self.backend.hf_config
+        self.dp_group, self.dp_size = self.groups.dp_group, self.groups.dp_size
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.backend.scheduled, factor)
+        self.step = 0
+
+    def compute_values(self, batch: Any) -> Tensor:
+        """Values of the whole (global) batch, in input order, on every rank; each rank computes a 1/DP share."""
+        if self.dp_size == 1:
+            return self.critic.compute_values(batch)
+        batch = Batch.from_any(batch)
+        local = self.critic.compute_values(batch.index(self._shard(len(batch), len(batch))))
+        counts = [len(rows) for rows in torch.arange(len(batch)).tensor_split(self.dp_size)]
+        return all_gather_rows(local, counts, self.dp_group)
+
+    def update_critic(self, batch: Any) -> dict[str, float]:
+        """One critic update on the global batch; `critic/lr` is the rate it used, then the schedule advances.
+        The metrics include `perf/compute_values_*` of the latest `compute_values` (e.g. of this batch's values).
+
+        Under DP each rank trains on its share of every global mini-batch, so a mini-batch holds the same rows
+        as in a single process (without `shuffle`) and the update is the same.
+        """
+        if self.dp_size > 1:
+            batch = Batch.from_any(batch)
+            batch = batch.index(self._shard(len(batch), self.config.ppo_mini_batch_size * self.config.rollout_n))
+        metrics = self.critic.update_critic(batch)
+        self.scheduler.step()
+        self.step += 1
+        return metrics | (self.critic.last_compute_metrics or {})  # + the perf of the latest compute_values
+
+    def save_checkpoint(
+        self,
+        root: str | Path,
+        tensors: dict[str, Tensor] | None = None,
+        state: dict[str, Any] | None = None,
+        keep_last_n: int | None = None,
+    ) -> Path:
+        """Model, optimizer, schedule, torch RNG, step, value-normalisation statistics and the moving average,
+        plus the caller's `tensors` and JSON `state`."""
+        tensors = {"rng/torch": torch.get_rng_state(), **self._value_norm_state(), **(tensors or {})}
+        state = {"worker_step": self.step, "scheduler": self.scheduler.state_dict(), **(state or {})}
+        return self.backend.save(root, self.step, tensors, state, keep_last_n)
+
+    def load_checkpoint(
+        self,
+        path: str | Path,
+        tensors: dict[str, Tensor] | None = None,
+        check_state: Callable[[dict[str, Any]], None] | None = None,
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """Restore what `save_checkpoint` wrote; `tensors` are templates (shape/dtype) for the caller's tensors.
+        Nothing changes unless the checkpoint verifies and its JSON state holds what the worker and the caller's
+        `check_state` need."""
+        norm = self._value_norm_state()
+        templates = {"rng/torch": torch.get_rng_state(), **norm, **(tensors or {})}
+        loaded, state = self.backend.load(path, templates, _checks(path, check_state))
+        self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # the rate of the saved step (megatron's param groups are not in its checkpoint)
+        self.step = int(state["worker_step"])
+        torch.set_rng_state(loaded.pop("rng/torch"))
+        if norm:
+            self.critic.value_norm.load_state_dict({k: loaded.pop(k) for k in norm})
+        return loaded, state
+
+    def set_learning_rate(self, lr: float) -> None:
+        """A new base rate (an option changed on resume): the schedule goes on from its current step at this rate."""
+        scheduler = self.scheduler
+        scheduler.base_lrs = [lr * group.get("lr_ratio", 1.0) for group in self.optimizer.param_groups]
+        for group, factor, base in zip(
+            self.optimizer.param_groups, scheduler.lr_lambdas, scheduler.base_lrs, strict=True
+        ):
+            group["initial_lr"] = base
+            group["lr"] = base * factor(scheduler.last_epoch)
+
+    def export_hf(self, out_dir: str | Path, replace: bool = False) -> Path:
+        """The critic as an HF checkpoint that predicts raw values: a LoRA critic is exported merged (adapters folded
+        into the base weights, so it loads without peft), and under `value_norm` the return statistics are folded
+        into the value head (`w·σ`, `b·σ + μ`); under `ema_decay` the weights are the moving average. Either way the
+        export gives the values `compute_values` gives. `out_dir` must not exist or be empty, unless `replace`
+        (an export this worker's run wrote before: `checkpoint.export_hf`)."""
+        with self.critic.averaged_weights():  # under ema_decay: the average, which compute_values uses
+            return self.backend.export_hf(out_dir, replace)
+
+    def _value_norm_state(self) -> dict[str, Tensor]:
+        """The return statistics of `critic.value_norm` (CPU copies; nothing when it is off)."""
+        norm = self.critic.value_norm
+        return {k: v.detach().cpu().clone() for k, v in norm.state_dict().items()} if norm.enabled else {}
+
+    def _shard(self, batch_size: int, block: int) -> Tensor:
+        """This rank's rows: inside every block of `block` rows, the rank's contiguous 1/DP slice. A last, shorter
+        block (verl's short last mini-batch) is split as evenly as it goes: its slices differ by at most one row."""
+        if batch_size < self.dp_size:
+            raise ValueError(
+                f"a batch of {batch_size} rows cannot be split over {self.dp_size} data-parallel ranks; send at "
+                f"least {self.dp_size} rows"
+            )
+        blocks = torch.arange(batch_size).split(block)
+        return torch.cat([rows.tensor_split(self.dp_size)[self.groups.dp_rank] for rows in blocks])
+
+
+def _checks(path: str | Path, caller: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None]:
+    """What a worker needs of a checkpoint's JSON state (its step and LR schedule), then the caller's checks."""
+
+    def check(state: dict[str, Any]) -> None:
+        step, schedule = state.get("worker_step"), state.get("scheduler")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(schedule, dict):
+            raise ValueError(
+                f"checkpoint {path} is damaged: its trainer_state.json lacks a valid worker_step or scheduler"
+            )
+        if caller is not None:
+            caller(state)
+
+    return check

@@ -1,0 +1,86 @@
+"""The data-parallel backend of a `CriticWorker` (strategies none, ddp, fsdp, fsdp2; Ulysses inside): one full
+model per replica, parallelised by `parallel.fsdp.parallelize`, checkpointed with DCP as one state dict."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from ppo_critic.config.critic import CriticConfig, RankSizes
+from ppo_critic.critics import DataParallelPPOCritic
+from ppo_critic.models.hf import find_value_head
+from ppo_critic.models.lora import merged_model
+from ppo_critic.parallel.fsdp import parallelize
+from ppo_critic.parallel.mesh import init_distributed, parallel_groups, select_device
+from ppo_critic.run.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from ppo_critic.worker.build import Layout, build_optimizer, model_from_config, param_groups
+
+
+class DataParallelBackend:
+    """Model, optimizer, critic and checkpoint layout for the data-parallel strategies."""
+
+    def __init__(self, config: CriticConfig, device: str, seed: int, dist_timeout_s: float, layout: Layout):
+        self.config = config
+        init_distributed(dist_timeout_s)  # under torchrun: a rank stuck longer than this in a collective fails
+        self.device = select_device(device)  # after: torchrun's LOCAL_RANK is the current device by then
+        self.groups = layout.groups or parallel_groups(config.ulysses_sequence_parallel_size)
+        sizes = layout.sizes or RankSizes.over_ranks(config, self.groups.dp_size)
+        torch.manual_seed(seed)
+        model = model_from_config(config.model).to(self.device)  # same seed: same weights on every rank
+        self.hf_config = model.config
+        self.model = parallelize(model, config, self.device)
+        self.optimizer = build_optimizer(param_groups(self.model, config.optim), config.optim)
+        self.scheduled = self.optimizer  # the torch optimizer whose rates the LR schedule sets
+        self.critic = DataParallelPPOCritic.of(config, sizes, self.groups, self.model, self.optimizer)
+
+    def save(self, root: str | Path, step: int, tensors: dict[str, Tensor], state: dict, keep: int | None) -> Path:
+        """One DCP checkpoint: the (sharded) model and optimizer, the moving average and `tensors`."""
+        tensors = {**tensors, **self._ema_state()}
+        return save_checkpoint(root, step, self.model, self.optimizer, tensors, state, keep)
+
+    def load(
+        self, path: str | Path, templates: dict[str, Tensor], check: Callable[[dict[str, Any]], None]
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """Model, optimizer and moving average from `path` once it verifies and `check` passes; the rest of
+        `templates` (shape/dtype) filled and returned with the JSON state."""
+        ema = self._ema_state()
+        loaded, state = load_checkpoint(path, self.model, self.optimizer, {**templates, **ema}, check)
+        with torch.no_grad():
+            for key, average in ema.items():  # DCP loads in place; copy in case a tensor came back new
+                got = loaded.pop(key)
+                if got is not average:
+                    average.copy_(got)
+        return loaded, state
+
+    def export_hf(self, out_dir: str | Path, replace: bool) -> Path:
+        """The live weights as an HF checkpoint: a LoRA critic merged, `value_norm`'s statistics folded into the
+        head; rank 0 writes, the others take part in the gather and wait."""
+        lora, norm = bool(self.config.model.lora_rank), self.critic.value_norm
+        if not lora and not norm.enabled:
+            return export_hf(self.model, out_dir, replace=replace)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=torch.distributed.is_initialized())
+        full = get_model_state_dict(self.model, options=options)  # a collective under DP
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() > 0:
+            return export_hf(self.model, out_dir, state_dict={}, replace=replace)
+        model = self._full_model(full, lora)
+        if norm.enabled:
+            parent, name = find_value_head(model)
+            norm.fold_into(getattr(parent, name))
+        return export_hf(model, out_dir, state_dict=model.state_dict(), replace=replace)
+
+    def _full_model(self, full: dict[str, Tensor], lora: bool) -> nn.Module:
+        """A plain copy of the model holding `full` (merged when LoRA): merging and folding work in place, and the
+        state dict may alias the live parameters."""
+        with torch.device("meta"):
+            skeleton = model_from_config(self.config.model)
+        skeleton.load_state_dict({k: v.detach().clone() for k, v in full.items()}, assign=True)
+        return merged_model(skeleton) if lora else skeleton
+
+    def _ema_state(self) -> dict[str, Tensor]:
+        """The moving average of `critic.ema_decay` (the live tensors, sharded like the parameters; or nothing)."""
+        return self.critic.ema.state_dict() if self.critic.ema is not None else {}

@@ -1,0 +1,200 @@
+"""files: durable writes (a real full disk on a small tmpfs, a failing writer), directories built aside, moving aside,
+and the run-directory lock against a real second process."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from ppo_critic.run.files import LOCK_FILE, RunDirLock, move_aside, new_directory, write_file, write_with
+
+
+@contextlib.contextmanager
+def tiny_disk(path: Path, size: str = "64k"):
+    """A real file system of `size` bytes at `path` (tmpfs; the tests run as root, as CI does)."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=True)  # a failed writer may still hold a file open
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+@contextlib.contextmanager
+def umask(mask: int):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def mkstemp_writer(tmp: Path) -> None:
+    """A library writer that writes its own temporary file (mkstemp: 0600) and renames it over the given path."""
+    fd, name = tempfile.mkstemp(dir=tmp.parent)
+    os.write(fd, b"weights")
+    os.close(fd)
+    os.replace(name, tmp)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o002])
+def test_written_files_and_directories_get_the_mode_of_a_plain_open_and_mkdir(tmp_path, mask):
+    with umask(mask):
+        (tmp_path / "plain").mkdir()
+        (tmp_path / "plain" / "open.txt").write_text("x")  # what a plain open(..., "w") / mkdir gives
+        config = write_file(tmp_path / "sub" / "config.yaml", "a: 1\n")
+        values = write_with(tmp_path / "values.jsonl", lambda tmp: tmp.write_text("{}\n"))
+        weights = write_with(tmp_path / "model.safetensors", mkstemp_writer)
+        with new_directory(tmp_path / "export") as building:
+            (building / "config.json").write_text("{}")
+            mkstemp_writer(building / "model.safetensors")
+            Path(tempfile.mkdtemp(dir=building)).rename(building / "nested")  # mkdtemp: 0700
+            mkstemp_writer(building / "nested" / "shard")
+            (building / "run.sh").write_text("#!/bin/sh\n")
+            (building / "run.sh").chmod(0o700)  # an executable stays executable, for whom the umask allows
+    file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
+    assert mode(tmp_path / "plain" / "open.txt") == file_mode and mode(tmp_path / "plain") == dir_mode
+    for path in (config, values, weights, *(tmp_path / "export" / n for n in ("config.json", "model.safetensors"))):
+        assert mode(path) == file_mode, path
+    assert mode(tmp_path / "export" / "nested" / "shard") == file_mode
+    assert mode(tmp_path / "export") == mode(tmp_path / "export" / "nested") == mode(tmp_path / "sub") == dir_mode
+    assert mode(tmp_path / "export" / "run.sh") == dir_mode
+    assert weights.read_bytes() == b"weights" and leftovers(tmp_path) == [] and leftovers(tmp_path / "export") == []
+
+
+def test_a_replaced_file_keeps_its_mode_as_with_a_plain_open(tmp_path):
+    """The user narrowed (or widened) a file's mode: rewriting it does not undo that, whatever the umask."""
+    target = tmp_path / "config.yaml"
+    write_file(target, "a: 1\n")
+    for kept in (0o600, 0o664):
+        target.chmod(kept)
+        with umask(0o022):
+            write_file(target, "a: 2\n")
+            write_with(target, mkstemp_writer)
+        assert mode(target) == kept and target.read_bytes() == b"weights" and leftovers(tmp_path) == []
+
+
+def test_an_hf_export_is_readable_as_the_umask_says(tmp_path):
+    """transformers' save_pretrained writes its shards through mkstemp (0600): the export still gets 0666 & ~umask."""
+    from conftest import tiny_config
+    from ppo_critic import build_value_model
+    from ppo_critic.run.checkpoint import export_hf
+
+    with umask(0o027):
+        export_hf(build_value_model(tiny_config("qwen2")), tmp_path / "hf")
+    files = sorted((tmp_path / "hf").iterdir())
+    assert "model.safetensors" in [f.name for f in files]
+    assert {f.name: mode(f) for f in files} == {f.name: 0o640 for f in files}
+    assert mode(tmp_path / "hf") == 0o750
+
+
+def test_a_full_disk_keeps_the_old_file_and_leaves_no_temporary_file(tmp_path):
+    with tiny_disk(tmp_path / "disk") as disk:
+        write_file(disk / "metrics.jsonl", "old\n")
+        with pytest.raises(OSError) as info:
+            write_file(disk / "metrics.jsonl", "x" * 200_000)
+        assert info.value.errno == errno.ENOSPC
+        assert str(info.value).startswith(f"[Errno 28] writing {disk / 'metrics.jsonl'} failed: No space left")
+        assert (disk / "metrics.jsonl").read_text() == "old\n" and leftovers(disk) == []
+
+
+def test_a_library_writer_failing_on_a_full_disk_is_reported_as_no_space(tmp_path):
+    """torch.save says 'unexpected pos ...' (a RuntimeError) when the disk fills: reported as ENOSPC all the same."""
+    import torch
+
+    with tiny_disk(tmp_path / "disk") as disk:
+        with pytest.raises(OSError) as info:
+            write_with(disk / "weights.pt", lambda tmp: torch.save(torch.zeros(100_000), tmp))
+        assert info.value.errno == errno.ENOSPC and "no space left on the file system" in str(info.value).lower()
+        assert list(disk.iterdir()) == []
+
+
+def test_a_failing_writer_leaves_the_target_as_it_was(tmp_path):
+    target = tmp_path / "values.jsonl"
+    target.write_text("kept\n")
+
+    def broken(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise ValueError("the writer failed")
+
+    with pytest.raises(ValueError, match="the writer failed"):
+        write_with(target, broken)
+    assert target.read_text() == "kept\n" and leftovers(tmp_path) == []
+
+
+def test_new_directory_appears_whole_or_not_at_all(tmp_path):
+    with new_directory(tmp_path / "export") as building:
+        (building / "config.json").write_text("{}")
+        assert not (tmp_path / "export").exists()
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["config.json"]
+    with pytest.raises(RuntimeError), new_directory(tmp_path / "failed") as building:
+        (building / "half").write_text("x")
+        raise RuntimeError("interrupted")
+    assert not (tmp_path / "failed").exists() and leftovers(tmp_path) == []
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "mine.txt").write_text("user data")
+    with pytest.raises(OSError, match="Directory not empty"), new_directory(tmp_path / "full") as building:
+        (building / "config.json").write_text("{}")
+    assert (tmp_path / "full" / "mine.txt").read_text() == "user data"
+
+
+def test_move_aside_renames_and_never_deletes(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("rows\n")
+    first = move_aside(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    second = move_aside(tmp_path / "run")
+    assert first != second and first.name.startswith("run.old-") and second.name.startswith("run.old-")
+    assert (first / "metrics.jsonl").read_text() == "rows\n" and not (tmp_path / "run").exists()
+
+
+HOLDER = """
+import sys, time
+from ppo_critic.run.files import RunDirLock
+RunDirLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_writer_is_refused_with_the_holders_name_until_it_ends(tmp_path):
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(OSError) as info:
+            RunDirLock(run).acquire()
+        assert info.value.errno == errno.EBUSY
+        assert f"{run} is in use by pid {holder.pid} on " in str(info.value) and "another trainer.run_dir" in str(
+            info.value
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    deadline = time.monotonic() + 10
+    while True:  # the kernel drops a dead process's lock
+        try:
+            lock = RunDirLock(run).acquire()
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert f"pid {os.getpid()} on " in (run / LOCK_FILE).read_text()
+    lock.release()
