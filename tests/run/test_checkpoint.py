@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from ppo_critic.run import rundir
 from ppo_critic.run.checkpoint import (
     CheckpointDamaged,
     complete_checkpoints,
+    delete_checkpoint,
     latest_checkpoint,
     load_state_dicts,
     read_state,
@@ -42,6 +44,19 @@ def test_retention_orders_by_step_and_keeps_what_it_just_wrote(tmp_path):
     written = save(tmp_path, 5, keep_last_n=2)  # older than those kept: still never deleted on the spot
     assert written.is_dir() and read_state(written)["note"] == 5
     assert names(tmp_path) == ["step_00000005", "step_99999999", "step_100000000"]
+
+
+def test_deleting_a_checkpoint_takes_the_latest_that_names_it_and_only_that(tmp_path):
+    """verl's engine keeps N checkpoints over several roots (global_step_k/critic/): a root whose only checkpoint
+    goes must not keep a `latest` naming it; a root's `latest` naming another checkpoint stays."""
+    lone, kept = save(tmp_path / "a", 1), save(tmp_path / "b", 1)
+    save(tmp_path / "b", 2)
+    delete_checkpoint(lone)
+    assert not lone.exists() and not (tmp_path / "a" / "latest").exists() and os.listdir(tmp_path / "a") == []
+    delete_checkpoint(kept)
+    assert (tmp_path / "b" / "latest").read_text().strip() == "step_00000002" and names(tmp_path / "b") == [
+        "step_00000002"
+    ]
 
 
 def test_any_changed_added_or_missing_byte_is_named(tmp_path):

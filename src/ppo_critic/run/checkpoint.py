@@ -516,9 +516,15 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
 
 def delete_checkpoint(path: Path) -> None:
     """Remove a checkpoint directory (one `save_checkpoint` wrote): first renamed out of the `step_*` namespace
-    (atomic), then deleted, so a crash while deleting never leaves a damaged directory that looks like one."""
+    (atomic), then deleted, so a crash while deleting never leaves a damaged directory that looks like one. A `latest`
+    beside it that names it goes too: no pointer is left to a checkpoint that is gone."""
+    path = Path(path)
     doomed = path.with_name(f".del-{path.name}-{uuid.uuid4().hex[:8]}")
     os.rename(path, doomed)
+    pointer = path.parent / LATEST
+    with contextlib.suppress(OSError):
+        if pointer.read_text().strip() == path.name:
+            pointer.unlink()
     shutil.rmtree(doomed, ignore_errors=True)
 
 

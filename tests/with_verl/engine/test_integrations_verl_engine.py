@@ -157,6 +157,8 @@ def test_keeps_the_newest_checkpoints_it_wrote(single_process, model_dir, tmp_pa
         worker.save_checkpoint(str(tmp_path / f"global_step_{step}" / "critic"), global_step=step, max_ckpt_to_keep=2)
     kept = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("global_step_*/critic/step_*"))
     assert kept == ["global_step_2/critic/step_00000002", "global_step_3/critic/step_00000003"]
+    pointers = {p.parent.parent.name: p.read_text().strip() for p in tmp_path.glob("global_step_*/critic/latest")}
+    assert pointers == {"global_step_2": "step_00000002", "global_step_3": "step_00000003"}  # none left dangling
 
 
 @pytest.mark.cuda
