@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import make_batch, tiny_config
+from multimodal import add_images, tiny_qwen2_vl
 from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.data.packing import compact, pack
 from ppo_critic.models.attention import VARLEN, varlen_attention
@@ -194,54 +195,9 @@ def test_packed_equals_padded_on_cuda(name):
     assert packed.update_critic(batch)["critic/skipped_steps"] == 0
 
 
-IMAGE, VISION_START, VISION_END = 150, 152, 153
-
-
-def tiny_qwen2_vl():
-    from transformers import Qwen2VLConfig
-
-    text = {**tiny_config("qwen2"), "vocab_size": 160, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
-    text.pop("model_type")
-    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 2}
-    vision |= {"temporal_patch_size": 1, "spatial_merge_size": 2, "in_channels": 3}
-    config = Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=IMAGE,
-        video_token_id=151,
-        vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    return build_value_model(config.to_dict())
-
-
 def multimodal_batch(model, batch_size=8, prompt_len=14, response_len=5, seed=11):
     """One image per sample (4 or 2 image tokens), mrope position ids [B, 3, T] from the model's rope index."""
-    import numpy as np
-
-    batch = make_batch(batch_size, prompt_len, response_len, seed=seed, vocab=100)
-    g = torch.Generator().manual_seed(seed)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    mask[:, : prompt_len - 8] = 0  # room for the image tokens in every prompt
-    grids, inputs = [], []
-    for i in range(batch_size):
-        h = 4 if i % 2 else 2
-        start = int((mask[i] == 1).nonzero()[0])
-        ids[i, start : start + 1] = VISION_START
-        ids[i, start + 1 : start + 1 + h] = IMAGE
-        ids[i, start + 1 + h] = VISION_END
-        grid = torch.tensor([[1, h, 4]])
-        grids.append(grid)
-        inputs.append({"pixel_values": torch.randn(4 * h, 12, generator=g), "image_grid_thw": grid})
-    batch["responses"] = ids[:, -response_len:]
-    position_ids, _ = model.model.get_rope_index(
-        ids, (ids == IMAGE).int(), image_grid_thw=torch.cat(grids), attention_mask=mask
-    )
-    batch["position_ids"] = position_ids.transpose(0, 1).contiguous()
-    batch["multi_modal_inputs"] = np.array(inputs, dtype=object)
-    return batch
+    return add_images(make_batch(batch_size, prompt_len, response_len, seed=seed, vocab=100), model, prompt_len, seed)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic"])

@@ -236,16 +236,12 @@ class PPOCriticBase:
         return self._metrics(metrics, batch, time.perf_counter() - start)
 
     def _normalised_targets(self, batch: Batch) -> Batch:
-        """With `value_norm`: update the return statistics from this call's returns (over DP; PopArt rescales
-        the value head), then `batch` with returns and old values in the model's normalised output space."""
+        """With `value_norm`: update the return statistics from this call's returns, then `batch` with returns and
+        old values in the model's normalised output space."""
         norm = self.value_norm
         if not norm.enabled:
             return batch
-        if norm.mode == "popart":
-            with self._value_head() as head:
-                norm.update(batch["returns"], batch.response_mask, self.all_reduce, head)
-        else:
-            norm.update(batch["returns"], batch.response_mask, self.all_reduce)
+        self.update_value_norm(batch["returns"], batch.response_mask)
         tensors = batch.tensors | {key: norm.normalise(batch[key]) for key in TARGET_KEYS}
         return Batch(tensors, batch.non_tensors, batch.meta_info)
 
@@ -259,6 +255,16 @@ class PPOCriticBase:
             result["critic/vpred_mean"] = mean + std * result["critic/vpred_mean"]
             result |= {"critic/value_norm_mean": mean, "critic/value_norm_std": std}
         return result
+
+    def update_value_norm(self, returns: Tensor, mask: Tensor) -> None:
+        """Merge the valid `returns` into `value_norm`'s statistics, summed over the DP ranks; under PopArt the
+        value head is rescaled so that the critic's raw values do not move. A no-op when `value_norm` is off."""
+        norm = self.value_norm
+        if norm.mode != "popart":
+            norm.update(returns, mask, self.all_reduce)
+            return
+        with self._value_head() as head:
+            norm.update(returns, mask, self.all_reduce, head)
 
     @contextlib.contextmanager
     def averaged_weights(self) -> Iterator[None]:

@@ -87,22 +87,23 @@ def _longest_first(weights: Sequence[int], k: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-def check_token_budget(seq_lens: Sequence[int] | Tensor, max_token_len: int) -> None:
-    """Raise if one sequence alone exceeds the dynamic micro-batch budget (no split could fit it)."""
+BUDGET_KEYS = (
+    "ppo_max_token_len_per_gpu, or forward_max_token_len_per_gpu / meta_info['max_token_len'] for compute_values"
+)
+
+
+def check_token_budget(seq_lens: Sequence[int] | Tensor, max_token_len: int, keys: str = BUDGET_KEYS) -> None:
+    """Raise if one sequence alone exceeds the dynamic micro-batch budget (no split could fit it); the error names
+    `keys`, the settings that govern the budget where the caller reads it."""
     lens = seq_lens.tolist() if isinstance(seq_lens, Tensor) else seq_lens
     if any(n < 0 for n in lens):
         raise ValueError(f"sequence lengths must be >= 0, got {min(lens)}")
-    _check_positive(
-        "the dynamic micro-batch budget (ppo_max_token_len_per_gpu, or forward_max_token_len_per_gpu / "
-        "meta_info['max_token_len'] for compute_values)",
-        max_token_len,
-    )
+    _check_positive(f"the dynamic micro-batch budget ({keys})", max_token_len)
     longest = int(max(lens, default=0))
     if longest > max_token_len:
         raise ValueError(
             f"a sequence has {longest} tokens but the dynamic micro-batch budget is {max_token_len} tokens "
-            "(ppo_max_token_len_per_gpu, or forward_max_token_len_per_gpu / meta_info['max_token_len'] for "
-            f"compute_values, × ulysses_sequence_parallel_size); raise it to at least {longest}"
+            f"({keys}, × ulysses_sequence_parallel_size); raise it to at least {longest}"
         )
 
 

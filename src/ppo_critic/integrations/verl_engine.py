@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 from torch import Tensor
@@ -23,10 +24,10 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 
 from ppo_critic.config.critic import CriticConfig, RankSizes
-from ppo_critic.config.env import with_options
+from ppo_critic.config.env import OPTIONS_ENV, with_options
 from ppo_critic.config.verl import to_mapping
 from ppo_critic.critics.dp import MicroResult
-from ppo_critic.data.batch import Batch
+from ppo_critic.data.batch import MULTI_MODAL, Batch
 from ppo_critic.data.batching import check_token_budget
 from ppo_critic.parallel.mesh import parallel_groups, select_device
 from ppo_critic.run.checkpoint import delete_checkpoint, latest_checkpoint
@@ -35,6 +36,18 @@ from ppo_critic.worker.build import Layout
 
 BACKEND = "ppo_critic"
 FP32 = ("float32", "fp32")
+# ppo-critic options that verl decides under this engine (its worker cuts mini-batches, its loss is verl's), and what a
+# user does instead
+VERL_OWNED = ("ppo_mini_batch_size", "ppo_epochs", "shuffle", "data_loader_seed", "cliprange_value", "loss_agg_mode")
+VERL_DECIDES = dict.fromkeys((*VERL_OWNED, "loss_scale_factor"), "set it in verl's critic config") | dict.fromkeys(
+    ("vf_loss_type", "huber_delta"), "remove it: verl's value_loss is the clipped squared error"
+)
+# the keys that set the engine's token budgets in verl 0.9's trainers (verl's yaml lacks the first: hydra needs `+`)
+INFER_BUDGET = "+critic.ppo_infer_max_token_len_per_gpu=N (verl's compute-values budget)"
+TRAIN_BUDGET = (
+    "+critic.ppo_infer_max_token_len_per_gpu=N under verl's default trainer, which gives the engine that budget for "
+    "training too; critic.ppo_max_token_len_per_gpu=N under trainer.use_v1=false"
+)
 
 
 def engine_critic_config(model_config: Any, engine_config: Any, optimizer_config: Any) -> CriticConfig:
@@ -79,10 +92,22 @@ def engine_critic_config(model_config: Any, engine_config: Any, optimizer_config
         },
         "optim": {k: v for k, v in optim.items() if k != "clip_grad"},
     }
-    config = with_options(CriticConfig.from_dict(section))
-    if config.value_norm != "off":
-        raise ValueError(f"value_norm={config.value_norm!r} is not supported by the {BACKEND} engine yet; use off")
+    base = CriticConfig.from_dict(section)
+    config = with_options(base)
+    check_verl_decides(base, config)
     return worker_config(config)
+
+
+def check_verl_decides(base: CriticConfig, config: CriticConfig) -> None:
+    """Refuse `PPO_CRITIC_OPTIONS` that would have no effect: under the engine, verl's worker cuts the mini-batches
+    and verl's own value loss computes the loss, each from verl's critic config."""
+    changed = [key for key in VERL_DECIDES if getattr(config, key) != getattr(base, key)]
+    if changed:
+        instead = "; ".join(f"{key}: {VERL_DECIDES[key]}" for key in changed)
+        raise ValueError(
+            f"{OPTIONS_ENV} sets {', '.join(changed)}, which verl decides under the {BACKEND} engine (its worker cuts "
+            f"the mini-batches, its value_loss computes the loss); instead, {instead}"
+        )
 
 
 @EngineRegistry.register(model_type="value_model", backend=BACKEND, device=["cuda", "cpu"])
@@ -168,10 +193,11 @@ class PPOCriticEngine(BaseEngine):
         default_budget = sizes.max_token_len if train else sizes.forward_max_token_len
         budget = (tu.get_non_tensor_data(data, "max_token_len_per_gpu", None) or default_budget) * critic.sp_size
         if dynamic:
-            check_token_budget(batch["attention_mask"].sum(-1), budget)
+            check_token_budget(batch["attention_mask"].sum(-1), budget, TRAIN_BUDGET if train else INFER_BUDGET)
         if loss_function is not None:
             self._assign_denominators(data)
             data = data.to(self.device)  # verl's loss reads it beside the values: both on the critic's device
+            self._normalise_targets(data, update=train)
         groups = critic.micro_batches(batch, dynamic, int(micro), int(budget))
         metrics: dict[str, Any] = {}
 
@@ -189,8 +215,14 @@ class PPOCriticEngine(BaseEngine):
         results = critic.forward_backward(batch, groups, loss_fn, backward=not forward_only)
         self._finite += [torch.isfinite(m.loss) for m in results if m.loss is not None]
         losses = [m.loss for m in results if m.rows and m.loss is not None]
+        if critic.value_norm.enabled and train:
+            norm = critic.value_norm
+            append_to_dict(
+                metrics, {"critic/value_norm_mean": norm.mean.item(), "critic/value_norm_std": norm.std.item()}
+            )
+        values = map_flat(values_in_order(results, batch["attention_mask"]), critic.value_norm.denormalise)
         return {
-            "model_output": {"values": values_in_order(results, batch["attention_mask"])},
+            "model_output": {"values": values},
             "loss": torch.stack(losses).tolist() if losses else [],  # one device sync for the mini-batch
             "metrics": metrics,
         }
@@ -205,6 +237,20 @@ class PPOCriticEngine(BaseEngine):
             rows = torch.tensor(float(len(data)), dtype=torch.float64, device=self.device)
             assign["global_batch_size"] = float(self._critic.all_reduce(rows))
         tu.assign_non_tensor(data, **assign)
+
+    def _normalise_targets(self, data: TensorDict, update: bool) -> None:
+        """Under `value_norm` the model predicts normalised returns: verl's loss gets `returns` and old `values` in
+        that space. Training first merges this mini-batch's returns into the statistics (over DP, before its step;
+        ppo-critic's own `update_critic` merges the whole call's before its first step: the two agree when a call
+        is one mini-batch, and the statistics agree after every call; each further epoch merges the same returns
+        again, which leaves their mean and variance as they are and only weighs the call more against earlier ones)."""
+        critic = self._critic
+        if not critic.value_norm.enabled:
+            return
+        if update:
+            critic.update_value_norm(flat(data["returns"]), flat(data["response_mask"]))
+        for key in ("returns", "values"):
+            data[key] = map_flat(data[key], critic.value_norm.normalise)
 
     def get_data_parallel_size(self) -> int:
         return self.groups.dp_size
@@ -264,21 +310,44 @@ class PPOCriticEngine(BaseEngine):
 
 
 def dense_inputs(data: TensorDict, device: torch.device) -> Batch:
-    """Right-padded `input_ids`, `attention_mask` and `position_ids` [B, T] of verl's nested (padding-free)
-    mini-batch, on `device`."""
-    ids, positions = data["input_ids"], data["position_ids"]
-    if positions.values().dim() != 1:
-        raise ValueError(
-            f"the {BACKEND} engine takes text rollouts (one position id per token); mrope is not supported"
-        )
+    """Right-padded `input_ids`, `attention_mask` and `position_ids` of verl's nested (padding-free) mini-batch, with
+    its per-sample `multi_modal_inputs` when it has them, on `device`."""
+    ids = data["input_ids"]
     lengths = ids.offsets().diff().long()
     mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
-    tensors = {"attention_mask": mask.long()}
-    for key, nested in (("input_ids", ids), ("position_ids", positions)):
-        dense = nested.values().new_zeros(mask.shape)
-        dense[mask] = nested.values()  # row-major over the valid positions: the order of the packed values
-        tensors[key] = dense
-    return Batch(tensors).to(device)
+    tensors = {
+        "attention_mask": mask.long(),
+        "input_ids": padded(ids.values(), mask),
+        "position_ids": dense_positions(data["position_ids"].values(), mask),
+    }
+    samples = data.get(MULTI_MODAL, None)
+    non_tensors = {} if samples is None else {MULTI_MODAL: multi_modal_samples(samples)}
+    return Batch(tensors, non_tensors).to(device)
+
+
+def padded(values: Tensor, mask: Tensor) -> Tensor:
+    """Packed per-token `values` [nnz] at the valid positions of `mask` [B, T] (row-major: the packing order)."""
+    dense = values.new_zeros(mask.shape)
+    dense[mask] = values
+    return dense
+
+
+def dense_positions(values: Tensor, mask: Tensor) -> Tensor:
+    """Position ids [B, T] from verl's packed ones [nnz]; mrope ids [B, 3, T] from its [k, nnz] (Qwen2-VL's three
+    rows; verl 0.9 puts the text positions first, as a fourth row, which the critic's packing does not need)."""
+    if values.dim() == 1:
+        return padded(values, mask)
+    rows = values[-3:]
+    dense = rows.new_zeros((mask.shape[0], 3, mask.shape[1]))
+    dense.transpose(1, 2)[mask] = rows.T
+    return dense
+
+
+def multi_modal_samples(samples: Any) -> np.ndarray:
+    """verl's per-sample `multi_modal_inputs` (a non-tensor stack of dicts, None for a text-only sample) as the
+    object array ppo-critic's batch carries."""
+    items = samples.tolist() if hasattr(samples, "tolist") else list(samples)
+    return np.array([getattr(item, "data", item) or {} for item in items], dtype=object)
 
 
 def values_in_order(results: list[MicroResult], attention_mask: Tensor) -> Tensor:
@@ -295,3 +364,15 @@ def as_jagged(values: Tensor, attention_mask: Tensor) -> Tensor:
     lengths = attention_mask.sum(-1)
     offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
     return torch.nested.nested_tensor_from_jagged(values[attention_mask.bool()], offsets)
+
+
+def flat(tensor: Tensor) -> Tensor:
+    """The elements of a nested (jagged) tensor in row-major order; a dense tensor as it is."""
+    return tensor.values() if tensor.is_nested else tensor
+
+
+def map_flat(tensor: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """`fn` applied elementwise to a dense or nested (jagged) tensor, keeping its layout."""
+    if not tensor.is_nested:
+        return fn(tensor)
+    return torch.nested.nested_tensor_from_jagged(fn(tensor.values()), tensor.offsets())

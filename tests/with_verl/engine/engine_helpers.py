@@ -96,7 +96,6 @@ def reference(model_dir: Path, data: DataProto, mini_batch_size: int, **config: 
         model,
         torch.optim.SGD(model.parameters(), lr=SGD["optim.lr"]),
     )
-    batch = data.batch
-    out = {"values": critic.compute_values(batch), "before": params(model)}
-    critic.update_critic(batch)
-    return out | {"after": params(model), "values_after": critic.compute_values(batch)}
+    out = {"values": critic.compute_values(data), "before": params(model)}
+    critic.update_critic(data)
+    return out | {"after": params(model), "values_after": critic.compute_values(data)}

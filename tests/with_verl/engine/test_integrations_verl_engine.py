@@ -4,6 +4,7 @@ the update and a checkpoint round trip of ppo-critic's `DataParallelPPOCritic` o
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import subprocess
@@ -15,9 +16,12 @@ from engine_helpers import SGD, critic_config, engine_params, infer_values, refe
 from verl.utils.metric import reduce_metrics
 from verl.workers.utils.losses import value_loss
 
+from multimodal import add_images, tiny_qwen2_vl
+from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.config.env import OPTIONS_ENV
 from ppo_critic.integrations.verl_engine import engine_critic_config
-from verl_shared import MODES, rel_change, rollout
+from ppo_critic.run.checkpoint import export_hf
+from verl_shared import MODES, params, rel_change, rollout, save_tiny_critic
 
 LAYOUT = 1e-5  # DESIGN §6: one update at any layout equals the single-process update to this relative error
 # the same rows with padding elsewhere (verl's nested rows are padded on the right, the reference's prompts on the
@@ -85,8 +89,10 @@ def test_verls_config_is_read_as_verl_reads_it(model_dir, monkeypatch):
     assert ours.optim.total_training_steps == 100 and ours.dtype is None  # bf16 on CUDA, fp32 on CPU
     monkeypatch.setenv(OPTIONS_ENV, "ema_decay=0.9 strategy=ddp")
     assert engine_critic_config(verl.model, engine, verl.optim).ema_decay == 0.9
-    monkeypatch.setenv(OPTIONS_ENV, "value_norm=running")
-    with pytest.raises(ValueError, match="value_norm='running' is not supported by the ppo_critic engine yet"):
+    monkeypatch.setenv(OPTIONS_ENV, "value_norm=popart")
+    assert engine_critic_config(verl.model, engine, verl.optim).value_norm == "popart"
+    monkeypatch.setenv(OPTIONS_ENV, "vf_loss_type=huber cliprange_value=0.2")  # verl's loss would never see them
+    with pytest.raises(ValueError, match=r"sets cliprange_value, vf_loss_type, which verl decides.*: set it"):
         engine_critic_config(verl.model, engine, verl.optim)
     monkeypatch.delenv(OPTIONS_ENV)
     offload = critic_config(model_dir, **{"fsdp.param_offload": True})
@@ -187,3 +193,98 @@ def test_on_cuda_verls_loss_gets_the_micro_batch_on_the_values_device(single_pro
     # bf16 gradients against float32 ones: each a few bf16 roundings (2**-8 relative) off; 5 % of the whole update
     # leaves room for cancellation, while a wrong mask or denominator is off by 100 % (a bound to measure on the GPU)
     assert rel_change(engine_params(worker), expected["after"], expected["before"]) <= 0.05
+
+
+def value_norm_reference(model_dir, calls: list, mode: str) -> dict:
+    """ppo-critic's own critic under `value_norm=mode`, one `update_critic` per entry of `calls` (each one mini-batch
+    of rows): the engine merges each mini-batch's returns before its step, which is such a call."""
+    model = build_value_model(str(model_dir))
+    config = {"ppo_mini_batch_size": 64, "grad_clip": 1.0, "value_norm": mode}
+    critic = DataParallelPPOCritic(config, model, torch.optim.SGD(model.parameters(), lr=SGD["optim.lr"]))
+    before = params(model)
+    for data in calls:
+        critic.update_critic(data.batch)
+    norm = critic.value_norm
+    return {"before": before, "after": params(model), "critic": critic, "stats": (norm.mean, norm.std)}
+
+
+@pytest.mark.parametrize("mode", ["running", "popart"])
+def test_value_norm_through_the_engine_is_ppo_critics_own(single_process, model_dir, tmp_path, monkeypatch, mode):
+    """Two training calls of two mini-batches each: parameters, return statistics and the raw values equal ppo-critic's
+    critic fed the same mini-batches as calls; a checkpoint carries the statistics."""
+    monkeypatch.setenv(OPTIONS_ENV, f"value_norm={mode}")
+    first, second = rollout(8, seed=11), rollout(8, seed=12)
+    for data in (first, second):
+        data.batch["returns"] = data.batch["returns"] * 3 + 2  # statistics far from μ = 0, σ = 1
+    worker = training_worker(model_dir, **SGD)
+    for data in (first, second):
+        metrics = train(worker, data, mini_batch_size=4)
+    halves = [d.select_idxs(rows) for d in (first, second) for rows in (list(range(4)), list(range(4, 8)))]
+    expected = value_norm_reference(model_dir, halves, mode)
+    assert rel_change(engine_params(worker), expected["after"], expected["before"]) <= LAYOUT
+    norm = worker.engine.worker.critic.value_norm
+    # the same float64 sums merged in the same order: equal to float64 rounding
+    torch.testing.assert_close((norm.mean.cpu(), norm.std.cpu()), expected["stats"], rtol=1e-12, atol=0)
+    assert metrics["critic/value_norm_std"][-1] == pytest.approx(float(expected["stats"][1]), rel=1e-12)
+    values = infer_values(worker, second)
+    torch.testing.assert_close(values, expected["critic"].compute_values(second.batch), **VALUES)
+    assert values[second.batch["response_mask"].bool()].mean() > 1  # raw values: de-normalised (μ ≈ 2)
+    worker.save_checkpoint(str(tmp_path / "global_step_2" / "critic"), global_step=2)
+    fresh = training_worker(model_dir, **SGD)
+    fresh.load_checkpoint(str(tmp_path / "global_step_2" / "critic"))
+    assert torch.equal(infer_values(fresh, second), values)
+
+
+def vl_model_dir(path) -> tuple:
+    """A tiny Qwen2-VL critic exported as ppo-critic exports one (backbone + `value_head.safetensors`), with the
+    suite's word-level tokenizer."""
+    from transformers import AutoTokenizer
+
+    export_hf(tiny_qwen2_vl(), path)
+    AutoTokenizer.from_pretrained(save_tiny_critic(path.parent / "tokenizer")).save_pretrained(path)
+    return path
+
+
+def vl_rollout(model_dir, seed: int) -> tuple:
+    """Rollouts with one image per prompt: ppo-critic's layout (mrope position ids [B, 3, T]) and verl 0.9's (the text
+    positions first, as a fourth row)."""
+    ours = rollout(8, prompt_len=14, seed=seed)
+    tensors = dict(ours.batch.items())
+    add_images(tensors, build_value_model(str(model_dir)), prompt_len=14, seed=seed)
+    ours.non_tensor_batch["multi_modal_inputs"] = tensors.pop("multi_modal_inputs")
+    for key, value in tensors.items():
+        ours.batch[key] = value
+    ours.meta_info["global_token_num"] = ours.batch["attention_mask"].sum(-1).tolist()
+    verls = copy.deepcopy(ours)
+    text = (ours.batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    verls.batch["position_ids"] = torch.cat([text[:, None], ours.batch["position_ids"]], dim=1)
+    return ours, verls
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_multimodal_rollouts_through_the_engine_are_ppo_critics_own(single_process, tmp_path, packed):
+    """Images and mrope position ids as verl 0.9 hands them to the engine: the values and one update equal ppo-critic's
+    own critic on the same rows."""
+    model_dir = vl_model_dir(tmp_path / "vl")
+    ours, verls = vl_rollout(model_dir, seed=13)
+    worker = training_worker(
+        model_dir, **SGD, **{"model.use_remove_padding": packed, "+fsdp.micro_batch_size_per_gpu": 2}
+    )
+    expected = reference(model_dir, ours, mini_batch_size=4)
+    torch.testing.assert_close(infer_values(worker, verls), expected["values"], **VALUES)
+    train(worker, verls, mini_batch_size=4)
+    assert rel_change(engine_params(worker), expected["after"], expected["before"]) <= LAYOUT
+    torch.testing.assert_close(infer_values(worker, verls), expected["values_after"], **VALUES)
+
+
+def test_a_sequence_over_the_token_budget_names_the_keys_that_set_it(single_process, model_dir):
+    """verl's default trainer sets both engine budgets from `ppo_infer_max_token_len_per_gpu` (a key its yaml lacks),
+    the legacy one the training budget from `ppo_max_token_len_per_gpu`: the error names the keys, not ppo-critic's."""
+    data = rollout(4, seed=6)
+    worker = training_worker(model_dir, **SGD, ppo_max_token_len_per_gpu=5, **{"+ppo_infer_max_token_len_per_gpu": 5})
+    before = engine_params(worker)
+    with pytest.raises(ValueError, match=r"budget is 5 tokens \(\+critic.ppo_infer_max_token_len_per_gpu=N \(verl's"):
+        infer_values(worker, data)
+    with pytest.raises(ValueError, match=r"under verl's default trainer.*critic.ppo_max_token_len_per_gpu=N under"):
+        train(worker, data, mini_batch_size=4)
+    assert all(torch.equal(v, before[k]) for k, v in engine_params(worker).items())
