@@ -195,17 +195,18 @@ def test_on_cuda_verls_loss_gets_the_micro_batch_on_the_values_device(single_pro
     assert rel_change(engine_params(worker), expected["after"], expected["before"]) <= 0.05
 
 
-def value_norm_reference(model_dir, calls: list, mode: str) -> dict:
+def value_norm_reference(model_dir, calls: list, mode: str, probe) -> dict:
     """ppo-critic's own critic under `value_norm=mode`, one `update_critic` per entry of `calls` (each one mini-batch
-    of rows): the engine merges each mini-batch's returns before its step, which is such a call."""
+    of rows: the engine merges each mini-batch's returns before its step, which is such a call); the values of
+    `probe` before and after, the parameters and the return statistics."""
     model = build_value_model(str(model_dir))
     config = {"ppo_mini_batch_size": 64, "grad_clip": 1.0, "value_norm": mode}
     critic = DataParallelPPOCritic(config, model, torch.optim.SGD(model.parameters(), lr=SGD["optim.lr"]))
-    before = params(model)
+    out = {"before": params(model), "values": critic.compute_values(probe)}
     for data in calls:
-        critic.update_critic(data.batch)
+        critic.update_critic(data)
     norm = critic.value_norm
-    return {"before": before, "after": params(model), "critic": critic, "stats": (norm.mean, norm.std)}
+    return out | {"after": params(model), "values_after": critic.compute_values(probe), "stats": (norm.mean, norm.std)}
 
 
 @pytest.mark.parametrize("mode", ["running", "popart"])
@@ -220,14 +221,14 @@ def test_value_norm_through_the_engine_is_ppo_critics_own(single_process, model_
     for data in (first, second):
         metrics = train(worker, data, mini_batch_size=4)
     halves = [d.select_idxs(rows) for d in (first, second) for rows in (list(range(4)), list(range(4, 8)))]
-    expected = value_norm_reference(model_dir, halves, mode)
+    expected = value_norm_reference(model_dir, halves, mode, probe=second)
     assert rel_change(engine_params(worker), expected["after"], expected["before"]) <= LAYOUT
     norm = worker.engine.worker.critic.value_norm
     # the same float64 sums merged in the same order: equal to float64 rounding
     torch.testing.assert_close((norm.mean.cpu(), norm.std.cpu()), expected["stats"], rtol=1e-12, atol=0)
     assert metrics["critic/value_norm_std"][-1] == pytest.approx(float(expected["stats"][1]), rel=1e-12)
     values = infer_values(worker, second)
-    torch.testing.assert_close(values, expected["critic"].compute_values(second.batch), **VALUES)
+    torch.testing.assert_close(values, expected["values_after"], **VALUES)
     assert values[second.batch["response_mask"].bool()].mean() > 1  # raw values: de-normalised (μ ≈ 2)
     worker.save_checkpoint(str(tmp_path / "global_step_2" / "critic"), global_step=2)
     fresh = training_worker(model_dir, **SGD)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from engine_helpers import reference
-from test_integrations_verl_engine import LAYOUT, VALUES
+from test_integrations_verl_engine import LAYOUT, VALUES, value_norm_reference
 
 from verl_shared import rel_change, rollout
 
@@ -32,12 +32,20 @@ def test_dp2_and_ulysses2_equal_one_process(single_process, model_dir, tmp_path)
     expected = {
         "dp2": reference(model_dir, batch.select_idxs(dp_order), mini_batch_size=8),
         "dp1sp2": reference(model_dir, batch, mini_batch_size=8),
+        # the engine merges each global mini-batch's returns before its step: one call of ppo-critic's per mini-batch
+        "dp2_popart": popart_reference(model_dir, batch, dp_order),
     }
     natural = torch.argsort(torch.tensor(dp_order))  # the DP reference's rows back in batch order
     for name, got in results.items():
         want = expected[name]
-        rows = natural if name == "dp2" else torch.arange(16)
+        rows = torch.arange(16) if name == "dp1sp2" else natural
         torch.testing.assert_close(got["values"], want["values"][rows], **VALUES, msg=name)
         assert rel_change(got["params"], want["after"], want["before"]) <= LAYOUT, name
         torch.testing.assert_close(got["values_after"], want["values_after"][rows], **VALUES, msg=name)
         assert torch.equal(got["values_loaded"], got["values_after"]), name  # verl's checkpoint calls, sharded
+
+
+def popart_reference(model_dir, batch, dp_order: list[int]) -> dict:
+    """ppo-critic's own critic under PopArt, one `update_critic` per global mini-batch of the DP layout."""
+    minis = [batch.select_idxs(dp_order[:8]), batch.select_idxs(dp_order[8:])]
+    return value_norm_reference(model_dir, minis, "popart", probe=batch.select_idxs(dp_order))

@@ -7,6 +7,7 @@ parameters after it, and the values after a checkpoint round trip.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,10 +15,12 @@ import torch
 from engine_helpers import SGD, engine_params, infer_values, train, training_worker
 
 from cuda_contract import check_collective_devices
+from ppo_critic.config.env import OPTIONS_ENV
 
-LAYOUTS = {  # name: (critic settings, whether each rank takes its chunk)
-    "dp2": ({}, True),
-    "dp1sp2": ({"fsdp.ulysses_sequence_parallel_size": 2, "model.use_remove_padding": True}, False),
+LAYOUTS = {  # name: (critic settings, whether each rank takes its chunk, PPO_CRITIC_OPTIONS)
+    "dp2": ({}, True, ""),
+    "dp1sp2": ({"fsdp.ulysses_sequence_parallel_size": 2, "model.use_remove_padding": True}, False, ""),
+    "dp2_popart": ({}, True, "value_norm=popart"),  # return statistics summed over the two ranks
 }
 
 
@@ -40,7 +43,8 @@ def main() -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     batch = torch.load(batch_path, weights_only=False)
     results = {}
-    for name, (settings, chunked) in LAYOUTS.items():
+    for name, (settings, chunked, options) in LAYOUTS.items():
+        os.environ[OPTIONS_ENV] = options
         data = batch.chunk(world)[rank] if chunked else batch
         worker = training_worker(Path(model_dir), **SGD, **settings)
         out = {"values": values_of_all(worker, data, chunked)}
