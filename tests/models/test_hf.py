@@ -283,3 +283,24 @@ def test_fp32_head_under_bf16_autocast_with_packing():
     before = head.weight.detach().clone()
     critic.update_critic(batch)
     assert head.weight.dtype == torch.float32 and not torch.equal(head.weight, before)
+
+
+def test_popart_rescales_the_head_copy_that_peft_trains():
+    """verl 0.7's LoRA critic is peft's TOKEN_CLS model: the head `score` becomes a frozen original beside the copy that
+    runs and trains. PopArt must rescale that copy, or the critic's raw values jump whenever the statistics move."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    torch.manual_seed(0)
+    lora = LoraConfig(task_type=TaskType.TOKEN_CLS, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = get_peft_model(build_value_model(tiny_config("qwen2")), lora)
+    parent, name = find_value_head(model)
+    assert getattr(parent, name).weight.requires_grad  # the copy in use, not `original_module`
+    critic = DataParallelPPOCritic(
+        {"ppo_mini_batch_size": 8, "value_norm": "popart"}, model, torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    batch = make_batch()
+    before = critic.compute_values(batch)
+    critic.update_value_norm(batch["returns"] * 3 + 2, torch.ones_like(batch["returns"]))
+    assert critic.value_norm.mean.item() == pytest.approx(2, abs=1)
+    # PopArt's rescale in float64, stored in float32: the outputs move by float32 rounding (values are O(1))
+    torch.testing.assert_close(critic.compute_values(batch), before, rtol=0, atol=1e-5)

@@ -231,6 +231,9 @@ def find_value_head(model: nn.Module) -> tuple[nn.Module, str]:
         if isinstance(head, nn.Linear) and head.out_features == 1:
             return model, name
         if isinstance(head, nn.Module):
+            copies = getattr(head, "modules_to_save", None)  # peft's wrapper: a frozen original beside the copy in use
+            if isinstance(copies, nn.ModuleDict) and getattr(head, "active_adapters", None):
+                return copies, head.active_adapters[0]
             for sub_name, sub in head.named_children():
                 if isinstance(sub, nn.Linear) and sub.out_features == 1:
                     return head, sub_name
