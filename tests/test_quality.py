@@ -110,20 +110,20 @@ def test_lora_settings_that_cannot_work_are_explained():
 
 
 def test_offload_settings_are_checked():
-    with pytest.raises(ValueError, match=r"fsdp_config.param_offload=true needs strategy=fsdp2"):
-        worker_config({"strategy": "ddp", "model": {"fsdp_config": {"param_offload": True}}})
-    with pytest.raises(ValueError, match=r"optimizer_offload=true alone is not supported.*param_offload=true"):
-        worker_config({"model": {"fsdp_config": {"optimizer_offload": True}}})
+    with pytest.raises(ValueError, match=r"fsdp_config.offload_policy=true needs strategy=fsdp2"):
+        worker_config({"strategy": "ddp", "model": {"fsdp_config": {"offload_policy": True}}})
+    with pytest.raises(ValueError, match=r"fsdp_config.param_offload=true is not supported with strategy=fsdp;"):
+        worker_config({"strategy": "fsdp", "model": {"fsdp_config": {"param_offload": True}}})
     with pytest.raises(ValueError, match=r"param_offload='yes' must be true or false"):
         worker_config({"model": {"fsdp_config": {"param_offload": "yes"}}})
     with pytest.raises(ValueError, match=r"enable_activation_offload=true is not supported.*gradient_checkpointing"):
         worker_config({"model": {"enable_activation_offload": True}})
 
 
-def test_param_offload_on_a_cpu_run_names_the_key():
+def test_offload_policy_on_a_cpu_run_names_the_key():
     cfg = {**LORA, "strategy": "fsdp2", "model": {"override_config": tiny_config("qwen2")}}
-    cfg["model"]["fsdp_config"] = {"param_offload": True, "optimizer_offload": True}
-    with pytest.raises(ValueError, match=r"critic.model.fsdp_config.param_offload=true needs strategy=fsdp2 on CUDA"):
+    cfg["model"]["fsdp_config"] = {"offload_policy": True}
+    with pytest.raises(ValueError, match=r"critic.model.fsdp_config.offload_policy=true needs strategy=fsdp2 on CUDA"):
         CriticWorker(cfg, device="cpu")
 
 
@@ -137,15 +137,15 @@ def cuda_group(backend: str) -> None:
 
 @pytest.mark.cuda
 def test_fsdp2_cpu_offload_trains_on_cuda(monkeypatch):
-    """One-rank group as ppo-critic starts one (NCCL + gloo for the CPU gradients): parameters (and so optimizer
-    state) live on the CPU, the update still learns."""
+    """`offload_policy` (FSDP2's CPUOffloadPolicy) under a one-rank group as ppo-critic starts one (NCCL + gloo for
+    the CPU gradients): parameters (and so optimizer state) live on the CPU, the update still learns."""
     import torch.distributed as dist
 
     cuda_group(BACKEND_CUDA)
     try:
         checked = check_collective_devices(monkeypatch)
         cfg = {**LORA, "strategy": "fsdp2", "model": {"override_config": tiny_config("qwen2")}}
-        cfg["model"]["fsdp_config"] = {"param_offload": True, "optimizer_offload": True}
+        cfg["model"]["fsdp_config"] = {"offload_policy": True}
         worker = CriticWorker(cfg, device="cuda")
         assert all(p.to_local().device.type == "cpu" for p in worker.model.parameters())
         batch = make_batch(8, 6, 5, seed=0)
@@ -170,8 +170,8 @@ def test_fsdp2_cpu_offload_under_an_nccl_only_group_is_our_error():
     cuda_group("nccl")
     try:
         cfg = {**LORA, "strategy": "fsdp2", "model": {"override_config": tiny_config("qwen2")}}
-        cfg["model"]["fsdp_config"] = {"param_offload": True}
-        with pytest.raises(ValueError, match="param_offload=true needs a CPU backend in the process group"):
+        cfg["model"]["fsdp_config"] = {"offload_policy": True}
+        with pytest.raises(ValueError, match="offload_policy=true needs a CPU backend in the process group"):
             CriticWorker(cfg, device="cuda")
     finally:
         dist.destroy_process_group()

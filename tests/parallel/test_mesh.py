@@ -56,7 +56,7 @@ def test_a_group_without_a_cpu_backend_cannot_reduce_cpu_gradients_and_offload_s
     gradients live on the CPU, and their norm's all-reduce has no backend."""
     with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
         dist.all_reduce(torch.ones(2))
-    with pytest.raises(ValueError, match=r"param_offload=true needs a CPU backend .*backend='cpu:gloo,cuda:nccl'"):
+    with pytest.raises(ValueError, match=r"offload_policy=true needs a CPU backend .*backend='cpu:gloo,cuda:nccl'"):
         check_cpu_backend()
 
 

@@ -31,7 +31,7 @@ DTYPES |= {"float16": "float16", "fp16": "float16"}
 VALUE_HEAD_INIT = re.compile(r"^(default|zero|normal:(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?|from_reward_model:.+)$")
 VALUE_HEAD_INIT_HELP = "use 'default', 'zero', 'normal:<std>' or 'from_reward_model:<path>'"
 FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")  # transformers' own varlen attention
-OFFLOAD_KEYS = ("param_offload", "optimizer_offload")  # verl's names under model.fsdp_config
+OFFLOAD_KEYS = ("param_offload", "optimizer_offload", "offload_policy")  # verl's names under model.fsdp_config
 HEAD_KINDS = ("auto", "token_classification", "generic")
 WARMUP_STYLES = ("constant", "cosine")
 OPTIMIZERS = ("adamw", "sgd")
@@ -103,7 +103,8 @@ class ModelConfig:
     use_shm: bool = False
     """verl: load the model through shared memory; accepted, not read"""
     fsdp_config: dict = field(default_factory=dict)
-    """verl's FSDP section; read here: param_offload, optimizer_offload (FSDP2 CPU offload), the rest is verl's"""
+    """verl's FSDP section; read here: param_offload, optimizer_offload (parameters, optimizer state on the CPU
+    between calls; CUDA), offload_policy (FSDP2's CPUOffloadPolicy); the rest is verl's"""
     lora_rank: int = 0
     """LoRA rank: only adapters and the value head train; 0: the full model (verl; pip install 'ppo-critic[lora]')"""
     lora_alpha: int = 16
@@ -426,17 +427,26 @@ class CriticConfig:
                 "model.enable_activation_offload=true is not supported; set false (use "
                 "model.enable_gradient_checkpointing=true to save activation memory)"
             )
-        offload = {key: m.fsdp_config.get(key, False) for key in OFFLOAD_KEYS}
-        for key, value in offload.items():
+        return errors + self.offload_errors()
+
+    def offload_errors(self) -> list[str]:
+        """verl's offload keys are booleans, each set only where this worker honours it: `param_offload` and
+        `optimizer_offload` with fsdp2, ddp or none (`parallel/offload.py`), `offload_policy` with fsdp2."""
+        errors = []
+        for key in OFFLOAD_KEYS:
+            value = self.model.fsdp_config.get(key, False)
             if not isinstance(value, bool):
                 errors.append(f"model.fsdp_config.{key}={value!r} must be true or false")
-            elif value and self.strategy != "fsdp2":
-                errors.append(f"model.fsdp_config.{key}=true needs strategy=fsdp2 (FSDP2's CPUOffloadPolicy)")
-        if offload["optimizer_offload"] is True and offload["param_offload"] is False:
-            errors.append(
-                "model.fsdp_config.optimizer_offload=true alone is not supported: FSDP2's CPUOffloadPolicy keeps the "
-                "optimizer state on the CPU together with the parameters; set param_offload=true as well"
-            )
+            elif value and self.strategy in ("fsdp", "megatron"):
+                errors.append(
+                    f"model.fsdp_config.{key}=true is not supported with strategy={self.strategy}; use strategy "
+                    "fsdp2 (or ddp / none for param_offload, optimizer_offload), or set it false"
+                )
+            elif value and key == "offload_policy" and self.strategy != "fsdp2":
+                errors.append(
+                    f"model.fsdp_config.offload_policy=true needs strategy=fsdp2 (FSDP2's CPUOffloadPolicy); with "
+                    f"strategy={self.strategy} use param_offload / optimizer_offload, or set it false"
+                )
         return errors
 
     def optim_errors(self) -> list[str]:

@@ -25,17 +25,17 @@ from verl.workers.engine.base import BaseEngine, EngineRegistry
 
 from ppo_critic.config.critic import CriticConfig, RankSizes
 from ppo_critic.config.env import OPTIONS_ENV, with_options
-from ppo_critic.config.verl import to_mapping
+from ppo_critic.config.verl import engine_section, to_mapping
 from ppo_critic.critics.dp import MicroResult
 from ppo_critic.data.batch import MULTI_MODAL, Batch
 from ppo_critic.data.batching import check_token_budget
 from ppo_critic.parallel.mesh import parallel_groups, select_device
+from ppo_critic.parallel.offload import PhaseOffload
 from ppo_critic.run.checkpoint import delete_checkpoint, latest_checkpoint
 from ppo_critic.worker import CriticWorker, worker_config
 from ppo_critic.worker.build import Layout
 
 BACKEND = "ppo_critic"
-FP32 = ("float32", "fp32")
 # ppo-critic options that verl decides under this engine (its worker cuts mini-batches, its loss is verl's), and what a
 # user does instead
 VERL_OWNED = ("ppo_mini_batch_size", "ppo_epochs", "shuffle", "data_loader_seed", "cliprange_value", "loss_agg_mode")
@@ -53,45 +53,11 @@ TRAIN_BUDGET = (
 def engine_critic_config(model_config: Any, engine_config: Any, optimizer_config: Any) -> CriticConfig:
     """ppo-critic's critic config from verl's model, engine and optimizer configs (+ `PPO_CRITIC_OPTIONS`).
 
-    verl's keys are read, never rejected: what ppo-critic has is taken over (sizes, budgets, Ulysses, clipping, the
-    model and optimizer settings); the rest stays verl's. The engine's mixed-precision `dtype` is honoured as
-    float32 when it says so; otherwise ppo-critic's default applies (bf16 autocast on CUDA, as verl; fp32 on CPU).
+    Each of verl's keys is taken over (sizes, budgets, Ulysses, dtype, offload, clipping, the model and optimizer
+    settings), left to verl (what verl reads around the engine, its own engine's tuning knobs), or refused in one line
+    naming it, why and what to use: `ppo_critic.config.verl.engine_keys`, the one home of that policy.
     """
-    model, engine, optim = to_mapping(model_config), to_mapping(engine_config), to_mapping(optimizer_config)
-    unsupported = [f"critic.fsdp.{key}=true" for key in ("param_offload", "optimizer_offload") if engine.get(key)]
-    if engine.get("offload_policy"):
-        unsupported.append("critic.fsdp.offload_policy=true")
-    if engine.get("forward_only"):
-        unsupported.append("critic.fsdp.forward_only=true")
-    if unsupported:
-        raise ValueError(
-            f"the {BACKEND} engine does not support {', '.join(unsupported)} yet; set false (or use verl's fsdp "
-            "engine for offloading)"
-        )
-    micro = engine.get("micro_batch_size_per_gpu")
-    section = {
-        "strategy": "fsdp2",
-        "ppo_mini_batch_size": micro or 1,  # verl's worker cuts mini-batches; the engine sees one at a time
-        "ppo_micro_batch_size_per_gpu": micro,
-        "forward_micro_batch_size_per_gpu": engine.get("infer_micro_batch_size_per_gpu"),
-        "use_dynamic_bsz": bool(engine.get("use_dynamic_bsz")),
-        "ppo_max_token_len_per_gpu": engine.get("max_token_len_per_gpu") or 32768,
-        "forward_max_token_len_per_gpu": engine.get("infer_max_token_len_per_gpu"),
-        "ulysses_sequence_parallel_size": engine.get("ulysses_sequence_parallel_size") or 1,
-        "grad_clip": optim.get("clip_grad"),
-        "dtype": "float32" if engine.get("dtype") in FP32 else None,
-        "model": {
-            "path": model.get("local_path") or model.get("path"),
-            "override_config": dict(model.get("override_config") or {}),
-            "trust_remote_code": bool(model.get("trust_remote_code")),
-            "use_remove_padding": bool(model.get("use_remove_padding") or engine.get("use_remove_padding")),
-            "enable_gradient_checkpointing": bool(model.get("enable_gradient_checkpointing")),
-            "lora_rank": model.get("lora_rank") or 0,
-            "lora_alpha": model.get("lora_alpha") or 16,
-            "target_modules": model.get("target_modules") or "all-linear",
-        },
-        "optim": {k: v for k, v in optim.items() if k != "clip_grad"},
-    }
+    section = engine_section(to_mapping(model_config), to_mapping(engine_config), to_mapping(optimizer_config))
     base = CriticConfig.from_dict(section)
     config = with_options(base)
     check_verl_decides(base, config)
@@ -119,6 +85,7 @@ class PPOCriticEngine(BaseEngine):
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.config = engine_critic_config(model_config, engine_config, optimizer_config)
         self.device = select_device("auto")
+        self.phases = PhaseOffload.of(self.config.model.fsdp_config, self.device)
         # verl's worker asks for the data-parallel rank before `initialize`: the groups exist from here on
         self.groups = parallel_groups(self.config.ulysses_sequence_parallel_size)
         self.worker: CriticWorker | None = None
@@ -138,31 +105,48 @@ class PPOCriticEngine(BaseEngine):
 
     @property
     def is_param_offload_enabled(self) -> bool:
-        return False
+        """Whether parameters and gradients rest in host memory between modes (`PhaseOffload.of`)."""
+        return self.phases.params
 
     @property
     def is_optimizer_offload_enabled(self) -> bool:
-        return False
+        """Whether the optimizer state rests in host memory between training modes (`PhaseOffload.of`)."""
+        return self.phases.optimizer
 
     @contextlib.contextmanager
     def train_mode(self, **kwargs: Any) -> Iterator[None]:
+        """Parameters and optimizer state on the device inside, in host memory after, as offload is configured."""
         self.mode = "train"
         self._critic.set_training(True)
         try:
-            yield
+            with self._auto_offload(kwargs, optimizer=self.phases.optimizer):
+                yield
         finally:
             self.mode = None
 
     @contextlib.contextmanager
     def eval_mode(self, **kwargs: Any) -> Iterator[None]:
-        """Values come from the weights `compute_values` uses: under `ema_decay`, their moving average."""
+        """Values come from the weights `compute_values` uses: under `ema_decay`, their moving average. The
+        parameters are on the device inside, in host memory after, as offload is configured."""
         self.mode = "eval"
         self._critic.set_training(False)
         try:
-            with self._critic.averaged_weights():
+            with self._auto_offload(kwargs, optimizer=False), self._critic.averaged_weights():
                 yield
         finally:
             self.mode = None
+
+    @contextlib.contextmanager
+    def _auto_offload(self, kwargs: dict[str, Any], optimizer: bool) -> Iterator[None]:
+        """verl's automatic offload around a mode: what rests in host memory is loaded on entry and offloaded on
+        exit, unless `disable_auto_offload=True` (verl's worker passes it inside a mode it entered itself)."""
+        auto = not kwargs.get("disable_auto_offload", False)
+        parts = {"model": auto and self.phases.params, "optimizer": auto and optimizer}
+        self._worker.offload.to_device(**parts)
+        try:
+            yield
+        finally:
+            self._worker.offload.to_host(**parts)
 
     def optimizer_zero_grad(self) -> None:
         self._critic.critic_optimizer.zero_grad(set_to_none=True)
@@ -266,9 +250,17 @@ class PPOCriticEngine(BaseEngine):
         return self.groups.sp_group is None or torch.distributed.get_rank(self.groups.sp_group) == 0
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
-        """The engine keeps everything on its device (no offload)."""
-        if torch.device(device).type != self.device.type:
-            raise ValueError(f"the {BACKEND} engine does not offload to {device}; it keeps the critic on {self.device}")
+        """verl's manual placement, whatever the offload settings: parameters (their gradients travel with them) and
+        optimizer state onto the engine's device, or into host memory ("cpu"; on a CPU engine, its device)."""
+        if grad and not model:
+            raise ValueError(f"the {BACKEND} engine moves gradients with their parameters: grad=True needs model=True")
+        kind, offload = torch.device(device).type, self._worker.offload
+        if kind == self.device.type:
+            offload.to_device(model=model, optimizer=optimizer)
+        elif kind == "cpu":
+            offload.to_host(model=model, optimizer=optimizer)
+        else:
+            raise ValueError(f"the {BACKEND} engine moves its state to {self.device} or the CPU, not to {device}")
 
     def save_checkpoint(
         self,
@@ -303,10 +295,14 @@ class PPOCriticEngine(BaseEngine):
         raise NotImplementedError(f"the {BACKEND} engine is a critic: its weights are not synced to a rollout")
 
     @property
-    def _critic(self):
+    def _worker(self) -> CriticWorker:
         if self.worker is None:
             raise RuntimeError(f"the {BACKEND} engine is not initialised; call initialize() (verl's reset) first")
-        return self.worker.critic
+        return self.worker
+
+    @property
+    def _critic(self):
+        return self._worker.critic
 
 
 def dense_inputs(data: TensorDict, device: torch.device) -> Batch:

@@ -27,9 +27,9 @@ def parallelize(model: nn.Module, config: CriticConfig, device: torch.device) ->
             model.enable_input_require_grads()  # else checkpointed layers of a frozen backbone get no grads
     if settings.use_torch_compile:
         compile_decoder_layers(model)
-    offload = bool(settings.fsdp_config.get("param_offload", False))
+    policy = bool(settings.fsdp_config.get("offload_policy", False))
     dtype = compute_dtype(config.torch_dtype_name, device)
-    return shard(model, config.strategy, device, dtype, cpu_offload=offload)
+    return shard(model, config.strategy, device, dtype, offload_policy=policy)
 
 
 def shard(
@@ -37,27 +37,28 @@ def shard(
     strategy: str,
     device: torch.device,
     param_dtype: torch.dtype | None = None,
-    cpu_offload: bool = False,
+    offload_policy: bool = False,
 ) -> nn.Module:
     """Wrap `model` for data parallelism over the default process group (a no-op without one, or for `none`).
 
     `param_dtype` is the compute dtype (default: `mesh.default_dtype`, as the critic's): FSDP2 gathers the parameters
     in it for the forward and backward and reduces gradients in float32; a value head of a dtype of its own
-    (`model.value_head_dtype`) keeps it. `cpu_offload` (FSDP2 on CUDA only): FSDP2's `CPUOffloadPolicy` keeps the
+    (`model.value_head_dtype`) keeps it. `offload_policy` (FSDP2 on CUDA only): FSDP2's `CPUOffloadPolicy` keeps the
     parameter shards, their gradients and so the optimizer state in (pinned) CPU memory, copies each layer to the
     GPU for its forward/backward, and runs the optimizer step on the CPU; the process group needs a CPU backend.
+    (verl's `param_offload` / `optimizer_offload` move state between calls instead: `parallel/offload.py`.)
     """
     import torch.distributed as dist
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is unknown; expected one of {STRATEGIES}")
-    if cpu_offload and (strategy != "fsdp2" or device.type != "cuda" or not dist.is_initialized()):
+    if offload_policy and (strategy != "fsdp2" or device.type != "cuda" or not dist.is_initialized()):
         raise ValueError(
-            "critic.model.fsdp_config.param_offload=true needs strategy=fsdp2 on CUDA under torchrun (FSDP2's "
+            "critic.model.fsdp_config.offload_policy=true needs strategy=fsdp2 on CUDA under torchrun (FSDP2's "
             f"CPUOffloadPolicy); this run has strategy={strategy}, device={device.type}, "
-            f"process group={'yes' if dist.is_initialized() else 'no'}; set param_offload=false"
+            f"process group={'yes' if dist.is_initialized() else 'no'}; set offload_policy=false"
         )
-    if cpu_offload:
+    if offload_policy:
         check_cpu_backend()
     if strategy == "none" or not dist.is_initialized():
         return model  # under DP the critic averages the gradients itself (average_plain_gradients)
@@ -67,7 +68,7 @@ def shard(
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if strategy == "fsdp":
         return _apply_fsdp1(model, device)
-    return _apply_fsdp2(model, param_dtype or default_dtype(device), cpu_offload)
+    return _apply_fsdp2(model, param_dtype or default_dtype(device), offload_policy)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -81,19 +82,19 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def check_cpu_backend() -> None:
-    """CPU offload reduces CPU gradients (the norm's DTensor all-reduce): the default group needs a CPU backend."""
+    """`offload_policy` reduces CPU gradients (the norm's DTensor all-reduce): the default group needs a CPU backend."""
     if "cpu" not in served_device_types():
         raise ValueError(
-            "critic.model.fsdp_config.param_offload=true needs a CPU backend in the process group (it reduces CPU "
+            "critic.model.fsdp_config.offload_policy=true needs a CPU backend in the process group (it reduces CPU "
             f"gradients), but the group was initialised with backend={torch.distributed.get_backend()!r}; "
-            f"initialise it with backend={BACKEND_CUDA!r} (ppo-critic does under torchrun), or set param_offload=false"
+            f"initialise it with backend={BACKEND_CUDA!r} (ppo-critic does under torchrun), or set offload_policy=false"
         )
 
 
-def _apply_fsdp2(model: nn.Module, param_dtype: torch.dtype, cpu_offload: bool = False) -> nn.Module:
+def _apply_fsdp2(model: nn.Module, param_dtype: torch.dtype, offload_policy: bool = False) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    kwargs: dict = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
+    kwargs: dict = {"offload_policy": CPUOffloadPolicy()} if offload_policy else {}
     policy = _mixed_precision(param_dtype)
     for layer in _decoder_layers(model):
         fully_shard(layer, mp_policy=policy, **kwargs)

@@ -2,7 +2,8 @@
 optimizer, the LR schedule, checkpoints and HF export — on a data-parallel or a Megatron backend, chosen by
 `strategy` (`worker.data_parallel`, `worker.megatron`).
 
-The worker takes *global* batch sizes (verl's trainer convention) and hands the critic per-rank sizes.
+The worker takes *global* batch sizes (verl's trainer convention) and hands the critic per-rank sizes. Under verl's
+`param_offload` / `optimizer_offload` what they name rests in host memory between calls (`parallel/offload.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from ppo_critic.data.batch import Batch
 from ppo_critic.parallel.collectives import all_gather_rows
+from ppo_critic.parallel.offload import PhaseOffload
 from ppo_critic.worker.build import Layout, lr_schedule, worker_config
 from ppo_critic.worker.data_parallel import DataParallelBackend
 from ppo_critic.worker.megatron import MegatronBackend
@@ -46,13 +48,16 @@ class CriticWorker:
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.backend.scheduled, factor)
         self.step = 0
+        self.offload, self.phases = self.backend.offload, PhaseOffload.of(self.config.model.fsdp_config, self.device)
+        self.offload.to_host(model=self.phases.params, optimizer=self.phases.optimizer)  # at rest until a call
 
     def compute_values(self, batch: Any) -> Tensor:
         """Values of the whole (global) batch, in input order, on every rank; each rank computes a 1/DP share."""
-        if self.dp_size == 1:
-            return self.critic.compute_values(batch)
-        batch = Batch.from_any(batch)
-        local = self.critic.compute_values(batch.index(self._shard(len(batch), len(batch))))
+        with self.offload.resident(model=True):
+            if self.dp_size == 1:
+                return self.critic.compute_values(batch)
+            batch = Batch.from_any(batch)
+            local = self.critic.compute_values(batch.index(self._shard(len(batch), len(batch))))
         counts = [len(rows) for rows in torch.arange(len(batch)).tensor_split(self.dp_size)]
         return all_gather_rows(local, counts, self.dp_group)
 
@@ -66,7 +71,8 @@ class CriticWorker:
         if self.dp_size > 1:
             batch = Batch.from_any(batch)
             batch = batch.index(self._shard(len(batch), self.config.ppo_mini_batch_size * self.config.rollout_n))
-        metrics = self.critic.update_critic(batch)
+        with self.offload.resident(model=True, optimizer=True):
+            metrics = self.critic.update_critic(batch)
         self.scheduler.step()
         self.step += 1
         return metrics | (self.critic.last_compute_metrics or {})  # + the perf of the latest compute_values
@@ -82,7 +88,8 @@ class CriticWorker:
         plus the caller's `tensors` and JSON `state`."""
         tensors = {"rng/torch": torch.get_rng_state(), **self._value_norm_state(), **(tensors or {})}
         state = {"worker_step": self.step, "scheduler": self.scheduler.state_dict(), **(state or {})}
-        return self.backend.save(root, self.step, tensors, state, keep_last_n)
+        with self.offload.resident(model=True, optimizer=True):
+            return self.backend.save(root, self.step, tensors, state, keep_last_n)
 
     def load_checkpoint(
         self,
@@ -95,7 +102,8 @@ class CriticWorker:
         `check_state` need."""
         norm = self._value_norm_state()
         templates = {"rng/torch": torch.get_rng_state(), **norm, **(tensors or {})}
-        loaded, state = self.backend.load(path, templates, _checks(path, check_state))
+        with self.offload.resident(model=True, optimizer=True):
+            loaded, state = self.backend.load(path, templates, _checks(path, check_state))
         self.scheduler.load_state_dict(state["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
             group["lr"] = lr  # the rate of the saved step (megatron's param groups are not in its checkpoint)
@@ -121,7 +129,7 @@ class CriticWorker:
         into the value head (`w·σ`, `b·σ + μ`); under `ema_decay` the weights are the moving average. Either way the
         export gives the values `compute_values` gives. `out_dir` must not exist or be empty, unless `replace`
         (an export this worker's run wrote before: `checkpoint.export_hf`)."""
-        with self.critic.averaged_weights():  # under ema_decay: the average, which compute_values uses
+        with self.offload.resident(model=True), self.critic.averaged_weights():  # ema_decay: the values' average
             return self.backend.export_hf(out_dir, replace)
 
     def _value_norm_state(self) -> dict[str, Tensor]:

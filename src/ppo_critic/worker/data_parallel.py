@@ -17,6 +17,7 @@ from ppo_critic.models.hf import find_value_head
 from ppo_critic.models.lora import merged_model
 from ppo_critic.parallel.fsdp import parallelize
 from ppo_critic.parallel.mesh import init_distributed, parallel_groups, select_device
+from ppo_critic.parallel.offload import Offloader
 from ppo_critic.run.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from ppo_critic.worker.build import Layout, build_optimizer, model_from_config, param_groups
 
@@ -37,6 +38,8 @@ class DataParallelBackend:
         self.optimizer = build_optimizer(param_groups(self.model, config.optim), config.optim)
         self.scheduled = self.optimizer  # the torch optimizer whose rates the LR schedule sets
         self.critic = DataParallelPPOCritic.of(config, sizes, self.groups, self.model, self.optimizer)
+        average = [] if self.critic.ema is None else [self.critic.ema.average]  # moves with the parameters
+        self.offload = Offloader(self.model, self.optimizer, self.device, average)
 
     def save(self, root: str | Path, step: int, tensors: dict[str, Tensor], state: dict, keep: int | None) -> Path:
         """One DCP checkpoint: the (sharded) model and optimizer, the moving average and `tensors`."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ppo_critic.config.critic import CriticConfig, ModelConfig, RankSizes
 from ppo_critic.critics import MegatronPPOCritic
@@ -19,6 +19,7 @@ from ppo_critic.models.hf import unwrap
 from ppo_critic.models.megatron import Shapes, build_megatron_value_model, check_supported, transformer_config
 from ppo_critic.parallel import megatron as mp
 from ppo_critic.parallel.mesh import Groups, compute_dtype, select_device
+from ppo_critic.parallel.offload import Offloader
 from ppo_critic.run.checkpoint import export_hf, load_state_dicts, save_state_dicts
 from ppo_critic.worker.build import Layout, model_from_config
 
@@ -59,6 +60,7 @@ class MegatronBackend:
             )
         self.scheduled = self.optimizer.optimizer  # the torch optimizer whose rates the LR schedule sets
         self.critic = MegatronPPOCritic.of(config, sizes, self.model, self.optimizer)
+        self.offload = Offloader(nn.Module(), None, self.device)  # moves nothing: offload keys are refused here
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The critic's weights under HF value-model names (CPU, on every rank)."""

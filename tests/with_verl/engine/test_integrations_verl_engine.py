@@ -95,9 +95,9 @@ def test_verls_config_is_read_as_verl_reads_it(model_dir, monkeypatch):
     with pytest.raises(ValueError, match=r"sets cliprange_value, vf_loss_type, which verl decides.*: set it"):
         engine_critic_config(verl.model, engine, verl.optim)
     monkeypatch.delenv(OPTIONS_ENV)
-    offload = critic_config(model_dir, **{"fsdp.param_offload": True})
-    with pytest.raises(ValueError, match=r"does not support critic.fsdp.param_offload=true yet"):
-        engine_critic_config(offload.model, offload.engine, offload.optim)
+    offload = critic_config(model_dir, **{"fsdp.param_offload": True, "fsdp.optimizer_offload": True})
+    fsdp_config = engine_critic_config(offload.model, offload.engine, offload.optim).model.fsdp_config
+    assert fsdp_config["param_offload"] is True and fsdp_config["optimizer_offload"] is True
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
