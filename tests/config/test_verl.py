@@ -8,7 +8,14 @@ import dataclasses
 import pytest
 
 from ppo_critic import CriticConfig
-from ppo_critic.config.verl import normalise, to_mapping, worker_errors
+from ppo_critic.config.verl import (
+    engine_keys,
+    engine_section,
+    legacy_worker_error,
+    normalise,
+    to_mapping,
+    worker_errors,
+)
 
 VERL = "verl.workers.config.FSDPCriticConfig"
 
@@ -74,3 +81,84 @@ def test_worker_errors_look_inside_set_aside_sections():
     assert worker_errors({"model.lora": {"rank": 0}, "optim.optimizer_impl": "torch.optim"}) == []
     (error,) = worker_errors({"model.lora": {"rank": 8, "alpha": 16}})
     assert error.startswith("model.lora.rank=8 is a setting of verl's worker that ppo-critic's worker does not")
+
+
+# verl 0.9's configs as its trainer hands them to the ppo_critic engine (a few keys of each, as `to_mapping` gives them)
+MODEL = {"_target_": "verl.workers.config.model.HFModelConfig", "path": "Qwen/Qwen3-8B", "local_path": "/cache/qwen"}
+MODEL |= {"use_remove_padding": False, "tokenizer_path": None, "lora": {"rank": 0}, "lora_adapter_path": None}
+ENGINE = {"_target_": "verl.workers.config.engine.FSDPEngineConfig", "dtype": "bfloat16", "param_offload": True}
+ENGINE |= {"micro_batch_size_per_gpu": 4, "max_token_len_per_gpu": None, "use_remove_padding": True, "fsdp_size": 8}
+ENGINE |= {"qat": {"enable": False, "mode": "w4a16"}, "seed": 42}
+OPTIM = {"_target_": "verl.workers.config.optimizer.FSDPOptimizerConfig", "optimizer": "AdamW", "lr": 1e-5}
+OPTIM |= {"clip_grad": 0.5, "optimizer_impl": "torch.optim", "zero_indexed_step": True}
+
+
+def test_engine_keys_sort_every_key_of_verls_configs():
+    keys = engine_keys(MODEL, ENGINE, OPTIM)
+    assert set(keys.honoured) == {
+        *("model.path", "model.local_path", "model.use_remove_padding"),
+        *("fsdp.dtype", "fsdp.param_offload", "fsdp.micro_batch_size_per_gpu", "fsdp.max_token_len_per_gpu"),
+        *("fsdp.seed", "optim.optimizer", "optim.lr", "optim.clip_grad"),
+    }
+    # verl's own (its engine's knobs, what verl reads around the engine), and refusable keys at an allowed value
+    assert set(keys.verls) == {
+        *("model.tokenizer_path", "model.lora", "model.lora_adapter_path", "fsdp.use_remove_padding"),
+        *("fsdp.fsdp_size", "fsdp.qat", "optim.optimizer_impl", "optim.zero_indexed_step"),
+    }
+
+
+def test_engine_settings_it_cannot_honour_are_one_line_naming_each():
+    engine = ENGINE | {"model_dtype": "bf16", "qat": {"enable": True}, "pad_to_length": True, "new_knob": 3}
+    with pytest.raises(ValueError) as error:
+        engine_keys(MODEL | {"lora": {"rank": 8}}, engine | {"future_flag": None}, OPTIM)
+    message = str(error.value)
+    assert "\n" not in message
+    assert [part.split("=")[0] for part in message.split(" | ")] == [
+        "critic.model.lora.rank",
+        "critic.fsdp.qat.enable",
+        "critic.fsdp.model_dtype",
+        "critic.fsdp.new_knob",  # unknown and set: refused; unknown and unset (future_flag=None): verl's
+    ]
+    assert (
+        "critic.fsdp.model_dtype='bf16' is not supported by the ppo_critic engine: ppo-critic keeps float32" in message
+    )
+    assert "does not know (it knows verl 0.9's); remove it" in message
+    with pytest.raises(
+        ValueError, match=r"^critic.strategy=ppo_critic got verl's McoreEngineConfig; .*model_engine=dp"
+    ):
+        engine_keys(MODEL, {"_target_": "verl.workers.config.engine.McoreEngineConfig"}, OPTIM)
+
+
+@pytest.mark.parametrize(("dtype", "ours"), [("bfloat16", None), ("fp16", "float16"), ("float32", "float32")])
+def test_engine_section_is_what_the_engine_runs(dtype, ours):
+    section = engine_section(MODEL, ENGINE | {"dtype": dtype}, OPTIM)
+    assert section == {
+        "strategy": "fsdp2",
+        "ppo_mini_batch_size": 4,  # verl's worker cuts the mini-batches: one is a micro-batch at most
+        "ppo_micro_batch_size_per_gpu": 4,
+        "dtype": ours,  # bfloat16: ppo-critic's default (bf16 autocast on CUDA, float32 on the CPU)
+        "grad_clip": 0.5,
+        "model": {"path": "/cache/qwen", "use_remove_padding": False, "fsdp_config": {"param_offload": True}},
+        "optim": {"optimizer": "AdamW", "lr": 1e-5},
+    }
+    read = CriticConfig.from_dict(section)
+    assert (read.ppo_max_token_len_per_gpu, read.optim.optimizer, read.model.fsdp_config) == (
+        32768,  # verl left the budget unset: ppo-critic's default
+        "adamw",
+        {"param_offload": True},
+    )
+
+
+def test_verl_07s_own_engine_critic_is_refused_naming_the_key():
+    """verl 0.7 with use_legacy_worker_impl=disable trains an FSDP critic on its engine worker, not on the worker whose
+    critic the legacy integration replaces; a megatron critic, no critic, or auto are fine."""
+    config = {"trainer": {"use_legacy_worker_impl": "disable"}, "critic": {"strategy": "fsdp2", "enable": None}}
+    config["algorithm"] = {"adv_estimator": "gae"}
+    error = legacy_worker_error(config)
+    assert error.startswith("trainer.use_legacy_worker_impl=disable makes verl 0.7 train the critic on its own engine")
+    assert error.endswith("set trainer.use_legacy_worker_impl=auto (or, with verl >= 0.9, critic.strategy=ppo_critic)")
+    assert legacy_worker_error(config | {"trainer": {"use_legacy_worker_impl": "auto"}}) is None
+    assert legacy_worker_error(config | {"critic": {"strategy": "megatron"}}) is None
+    assert legacy_worker_error(config | {"algorithm": {"adv_estimator": "grpo"}}) is None
+    forced = {"algorithm": {"adv_estimator": "grpo"}, "critic": {"strategy": "fsdp", "enable": True}}
+    assert legacy_worker_error(config | forced) == error  # critic.enable=true: a critic with any estimator

@@ -1,10 +1,16 @@
-"""verl's critic config, in every form verl produces it, read as ppo-critic's (DESIGN §7).
+"""verl's critic config, in every form verl produces it, read as ppo-critic's (DESIGN §7): the one home of "which verl
+key means what" for both integrations. Nothing here imports verl (or torch).
 
-verl (0.7.x, the legacy critic API) hands its critic a hydra-composed `DictConfig`, a resolved dict, or its config
+verl 0.7.x (the legacy critic API) hands its critic a hydra-composed `DictConfig`, a resolved dict, or its config
 dataclasses (`FSDPCriticConfig`, `McoreCriticConfig`: what its trainer really passes). `to_mapping` turns any of
 them into a plain dict; `normalise` renames verl's spellings to ours the way verl itself reads them and sets aside
 the keys that belong to verl's worker (optimizer construction, schedulers, engine, LoRA, ...), so the caller can
-ignore them by name while a truly unknown key is still an error. Nothing here imports verl.
+ignore them by name while a truly unknown key is still an error.
+
+verl ≥ 0.9 (`critic.strategy=ppo_critic`) hands ppo-critic's engine its model, engine and optimizer configs instead.
+`engine_keys` sorts every key of them into those ppo-critic takes over and those that are verl's and change nothing
+the critic computes, and refuses in one line each key whose meaning ppo-critic cannot give; `engine_section` is the
+critic section the engine builds from the keys it takes over.
 """
 
 from __future__ import annotations
@@ -218,6 +224,26 @@ def _normalise_optim(optim: dict, set_aside: dict[str, Any], megatron: bool) -> 
         optim["warmup_style"] = style
 
 
+# verl 0.7 under `trainer.use_legacy_worker_impl=disable` trains an FSDP critic on its engine worker (`TrainingWorker`),
+# not on the `CriticWorker` whose critic ppo_critic.integrations.verl replaces
+LEGACY_WORKER_ERROR = (
+    "trainer.use_legacy_worker_impl=disable makes verl 0.7 train the critic on its own engine worker, which "
+    "ppo_critic.integrations.verl does not replace; set trainer.use_legacy_worker_impl=auto (or, with verl >= 0.9, "
+    "critic.strategy=ppo_critic)"
+)
+
+
+def legacy_worker_error(config: Any) -> str | None:
+    """LEGACY_WORKER_ERROR when verl's whole trainer config (a `DictConfig` or a mapping) would train a critic on
+    verl 0.7's engine worker, else None."""
+    trainer, critic, algorithm = (config.get(section) or {} for section in ("trainer", "critic", "algorithm"))
+    enable = critic.get("enable")
+    runs_critic = enable if enable is not None else algorithm.get("adv_estimator") == "gae"  # verl's need_critic
+    if not runs_critic or critic.get("strategy") not in ("fsdp", "fsdp2"):
+        return None
+    return LEGACY_WORKER_ERROR if trainer.get("use_legacy_worker_impl") == "disable" else None
+
+
 def worker_errors(verl_keys: Mapping[str, Any]) -> list[str]:
     """The verl-owned settings (from `normalise`) that ppo-critic's own workers would silently not honour."""
     errors = []
@@ -267,3 +293,189 @@ def _settings(data: Mapping):
             yield from ((f"{key}.{k}", v) for k, v in value.items() if not isinstance(v, Mapping))
         elif not isinstance(value, Mapping):
             yield key, value
+
+
+# verl ≥ 0.9 (`critic.strategy=ppo_critic`): the keys of the model, engine and optimizer configs verl's TrainingWorker
+# hands the engine, named `<section>.<key>` as the user writes them under `critic.` (section: model, fsdp, optim).
+ENGINE_SECTIONS = {"FSDPEngineConfig": "fsdp"}  # verl's engine dataclass -> its section (the only one routed to us)
+# what the engine takes over -> ppo-critic's field it sets (`engine_section`)
+ENGINE_FIELDS: dict[str, str] = {
+    "model.path": "model.path",
+    "model.local_path": "model.path",  # where verl resolved model.path to (wins when set)
+    "model.override_config": "model.override_config",
+    "model.trust_remote_code": "model.trust_remote_code",
+    "model.external_lib": "model.external_lib",
+    "model.use_remove_padding": "model.use_remove_padding",
+    "model.enable_gradient_checkpointing": "model.enable_gradient_checkpointing",
+    "model.lora_rank": "model.lora_rank",
+    "model.lora_alpha": "model.lora_alpha",
+    "model.target_modules": "model.target_modules",
+    "fsdp.micro_batch_size_per_gpu": "ppo_micro_batch_size_per_gpu",
+    "fsdp.infer_micro_batch_size_per_gpu": "forward_micro_batch_size_per_gpu",
+    "fsdp.use_dynamic_bsz": "use_dynamic_bsz",
+    "fsdp.max_token_len_per_gpu": "ppo_max_token_len_per_gpu",
+    "fsdp.infer_max_token_len_per_gpu": "forward_max_token_len_per_gpu",
+    "fsdp.ulysses_sequence_parallel_size": "ulysses_sequence_parallel_size",
+    "fsdp.dtype": "dtype",
+    "fsdp.param_offload": "model.fsdp_config.param_offload",
+    "fsdp.optimizer_offload": "model.fsdp_config.optimizer_offload",
+    "fsdp.offload_policy": "model.fsdp_config.offload_policy",
+    "optim.clip_grad": "grad_clip",
+    **{
+        f"optim.{key}": f"optim.{key}"  # read with verl's spellings by `normalise`
+        for key in (
+            *("optimizer", "lr", "betas", "weight_decay", "lr_warmup_steps", "lr_warmup_steps_ratio"),
+            *("total_training_steps", "lr_scheduler_type", "warmup_style", "min_lr_ratio"),
+        )
+    },
+}
+# taken over without a config field: the engine seeds its worker with it; verl copies grad_clip into clip_grad
+ENGINE_HONOURS = frozenset(ENGINE_FIELDS) | {"fsdp.seed", "optim.grad_clip"}
+# verl's engine dtype -> ppo-critic's (bfloat16: ppo-critic's default, bf16 autocast on CUDA and fp32 on CPU)
+ENGINE_DTYPES = {
+    "bfloat16": None,
+    "bf16": None,
+    "float16": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+}
+# keys whose meaning ppo-critic cannot give unless they hold one of these values: -> (values, why and what to use)
+ENGINE_REFUSES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "fsdp.dtype": (tuple(ENGINE_DTYPES), "the engine computes in bfloat16, float16 or float32; use one of them"),
+    "fsdp.forward_only": ((False, None), "the engine trains the critic (verl sets it for frozen models); set false"),
+    "fsdp.model_dtype": (
+        ("fp32", "float32", None),
+        "ppo-critic keeps float32 parameters; set fp32 and pick the compute dtype with critic.fsdp.dtype",
+    ),
+    "fsdp.mixed_precision": (
+        (None,),
+        "ppo-critic computes in critic.fsdp.dtype and reduces gradients in float32; "
+        "remove it and set critic.fsdp.dtype",
+    ),
+    "fsdp.full_determinism": ((False,), "ppo-critic does not switch torch to deterministic algorithms; set false"),
+    "fsdp.qat.enable": ((False,), "quantization-aware training is not supported; set false"),
+    "fsdp.router_replay.mode": (("disabled",), "MoE router replay is not supported; set disabled"),
+    "model.enable_activation_offload": (
+        (False,),
+        "activation offload is not supported; set false (critic.model."
+        "enable_gradient_checkpointing=true saves activation memory)",
+    ),
+    "model.lora_adapter_path": ((None,), "a LoRA adapter cannot be loaded; merge it into critic.model.path"),
+    "model.exclude_modules": ((None, "", []), "LoRA adapters go on critic.model.target_modules; remove it"),
+    "model.target_parameters": ((None, []), "LoRA adapters go on critic.model.target_modules; remove it"),
+    "model.tiled_mlp.enabled": ((False,), "tiled MLP is not supported; set false"),
+    "model.mtp.enable": ((False,), "the value model has no multi-token prediction layers; set false"),
+    "model.mtp.enable_train": ((False,), "the value model has no multi-token prediction layers; set false"),
+    "model.lora.rank": ((0, None), "that is verl's megatron LoRA; use critic.model.lora_rank"),
+    "optim.optimizer_impl": ((None, "torch.optim"), "the engine builds torch's AdamW or SGD; use torch.optim"),
+    "optim.override_optimizer_config": ((None, {}), "the engine's optimizer takes critic.optim's keys; remove it"),
+    "optim.num_cycles": ((None, 0.5), "the cosine schedule decays over half a cycle; set 0.5"),
+}
+# verl's own: what verl reads around the engine, and its FSDP engine's tuning knobs (ppo-critic wraps, compiles and
+# prefetches by its own rules); none changes what the critic computes. Keys of ENGINE_REFUSES at an allowed value too.
+ENGINE_VERLS = frozenset(
+    {f"fsdp.{k}" for k in ("strategy", "use_remove_padding", "use_fused_kernels", "wrap_policy", "fsdp_size")}
+    | {f"fsdp.{k}" for k in ("reshard_after_forward", "forward_prefetch", "use_orig_params", "use_torch_compile")}
+    | {f"fsdp.{k}" for k in ("use_no_sync_for_gradient_accumulation", "pad_to_length", "pad_to_length_bucket")}
+    | {f"fsdp.{k}" for k in ("entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size")}
+    | {"fsdp.entropy_checkpointing", "fsdp.turbo_config", "optim.zero_indexed_step"}
+    | {f"model.{k}" for k in ("tokenizer_path", "local_tokenizer_path", "hf_config_path", "local_hf_config_path")}
+    | {f"model.{k}" for k in ("hf_config", "generation_config", "tokenizer", "processor", "load_tokenizer")}
+    | {f"model.{k}" for k in ("model_type", "architectures", "use_shm", "custom_chat_template", "use_liger")}
+    | {"model.use_fused_kernels", "model.fused_kernel_options"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineKeys:
+    """verl's settings as ppo-critic's engine takes them (`<section>.<key>` -> value): `honoured` take effect in
+    ppo-critic's critic; `verls` are read by verl itself or change nothing the critic computes."""
+
+    honoured: dict[str, Any]
+    verls: dict[str, Any]
+
+
+def engine_keys(model: Mapping, engine: Mapping, optim: Mapping) -> EngineKeys:
+    """Every key of verl's model, engine and optimizer configs (plain mappings, `to_mapping`) sorted as ppo-critic's
+    engine takes it. Raises one ValueError naming each key that ppo-critic cannot honour, why and what to use."""
+    keys = EngineKeys({}, {})
+    errors: list[str] = []
+    for section, node in (("model", model), (_engine_section(engine), engine), ("optim", optim)):
+        for key, value in node.items():
+            if key not in HYDRA_KEYS:
+                errors += _sort_key(f"{section}.{key}", value, keys)
+    if errors:
+        raise ValueError(" | ".join(errors))
+    return keys
+
+
+def _sort_key(dotted: str, value: Any, keys: EngineKeys) -> list[str]:
+    """Put `dotted` into `keys.honoured` or `keys.verls`; the errors it (or a setting inside it) raises."""
+    rules = list(_refusable(dotted, value))
+    errors = [error for rule, inner in rules if (error := _refusal(rule, inner))]
+    if dotted in ENGINE_HONOURS:
+        keys.honoured[dotted] = value
+    elif dotted in ENGINE_VERLS or rules or _is_off(value):
+        keys.verls[dotted] = value
+    else:
+        errors.append(
+            f"critic.{dotted}={value!r} is a verl setting the ppo_critic engine does not know (it knows verl 0.9's); "
+            "remove it, or run verl's own engine (critic.strategy=fsdp2) for it"
+        )
+    return errors
+
+
+def _engine_section(engine: Mapping) -> str:
+    """`fsdp`, the section of verl's FSDP engine config (the only engine config verl routes to ppo_critic)."""
+    name = str(engine.get("_target_") or "FSDPEngineConfig").rsplit(".", 1)[-1]
+    if name not in ENGINE_SECTIONS:
+        raise ValueError(
+            f"critic.strategy=ppo_critic got verl's {name}; the ppo_critic engine reads verl's FSDP engine section "
+            "(critic.fsdp.*): set model_engine=dp, or critic=dp_critic to keep the actor on another engine"
+        )
+    return ENGINE_SECTIONS[name]
+
+
+def _refusable(dotted: str, value: Any):
+    """(rule, value) for each ENGINE_REFUSES rule at `dotted` or inside it (`fsdp.qat.enable` inside `fsdp.qat`)."""
+    for rule in ENGINE_REFUSES:
+        if rule == dotted:
+            yield rule, value
+        elif rule.startswith(dotted + ".") and isinstance(value, Mapping):
+            inner = _lookup({dotted: value}, rule)
+            if inner is not _ABSENT:
+                yield rule, inner
+
+
+def _refusal(rule: str, value: Any) -> str | None:
+    """The one-line error for `value` at `rule`, or None where ppo-critic honours it."""
+    allowed, instead = ENGINE_REFUSES[rule]
+    if value in allowed:
+        return None
+    return f"critic.{rule}={value!r} is not supported by the ppo_critic engine: {instead}"
+
+
+def _is_off(value: Any) -> bool:
+    """Unset or switched off: None, False, or an empty string, list or mapping."""
+    return value is None or value is False or (isinstance(value, str | list | tuple | Mapping) and not value)
+
+
+def engine_section(model: Mapping, engine: Mapping, optim: Mapping) -> dict:
+    """The critic section ppo-critic's engine runs with, from the keys of verl's configs it honours (`engine_keys`,
+    which raises for those it cannot): verl's worker cuts the mini-batches, so one is one micro-batch at most."""
+    keys = engine_keys(model, engine, optim).honoured
+    section: dict[str, Any] = {"strategy": "fsdp2", "model": {}, "optim": {}}
+    for dotted in sorted(keys, key=lambda k: k == "model.local_path"):  # local_path last: it wins when set
+        value = keys[dotted]
+        if dotted == "fsdp.dtype":
+            value = ENGINE_DTYPES[value]
+        elif value is None or dotted not in ENGINE_FIELDS:
+            continue  # unset: ppo-critic's default
+        node = section
+        *parents, leaf = ENGINE_FIELDS[dotted].split(".")
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    section["ppo_mini_batch_size"] = section.get("ppo_micro_batch_size_per_gpu") or 1
+    return section
