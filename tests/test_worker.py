@@ -191,3 +191,28 @@ def test_keep_last_n_and_failed_writes_leave_the_previous_checkpoint(tmp_path, m
     ]  # no temporary directory left behind
     assert ckpt.latest_checkpoint(tmp_path).name == "step_00000003"
     assert (tmp_path / "latest").read_text().strip() == "step_00000003"
+
+
+@pytest.mark.parametrize("value_norm", ["running", "popart"])
+def test_a_critic_from_a_model_path_exports_its_normalised_head(tmp_path, value_norm):
+    """A critic loaded from `model.path` (as a value-pretraining run starts from the SFT model) exports with the return
+    statistics folded into its head: the export's values are the critic's raw values (transformers 5 refused to
+    build the export's skeleton from the path on the meta device)."""
+    from transformers import AutoModelForTokenClassification
+
+    from ppo_critic import build_value_model
+
+    build_value_model({"model_type": "qwen2", **TINY}).save_pretrained(tmp_path / "sft")
+    config = worker_config() | {"value_norm": value_norm, "model": {"path": str(tmp_path / "sft")}}
+    worker = CriticWorker(config, total_steps=2)
+    batch = make_batch()
+    batch["returns"] = batch["returns"] * 3 + 5  # statistics far from μ = 0, σ = 1
+    worker.update_critic(batch)
+    worker.export_hf(tmp_path / "export")
+    exported = AutoModelForTokenClassification.from_pretrained(tmp_path / "export")
+    exported_critic = CriticWorker(worker_config() | {"model": {"path": str(tmp_path / "export")}})
+    # the same weights and float32 math, the head folded in float64: values of magnitude ~5 agree to float32 rounding
+    torch.testing.assert_close(
+        exported_critic.compute_values(batch), worker.compute_values(batch), rtol=1e-5, atol=1e-5
+    )
+    assert exported.config.num_labels == 1

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from ppo_critic.config.critic import ModelConfig
@@ -489,6 +489,139 @@ def test_tokenizer_dir_prefers_tokenizer_path_then_model_path():
     assert tokenizer_dir(ModelConfig(path="/models/m")) == "/models/m"
     assert tokenizer_dir(ModelConfig(path="/models/m", tokenizer_path="/tok")) == "/tok"
     assert tokenizer_dir(ModelConfig(tokenizer_path="/tok")) == "/tok"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# verl's rollout dump (trainer.rollout_data_dir): text decoded with skip_special_tokens=True, and a score
+
+
+PAD_ID = VOCAB["<pad>"]
+# what the policy saw and wrote: its prompt rendered by TEMPLATE (chat) or with a BOS (plain), its answer ending in EOS
+POLICY_ROWS = [
+    ([4, 6, 7, 8, 5], [1, 6, 7, 8], [9, 10, 2], 1.5),
+    ([4, 11, 12, 13, 14, 13, 16, 5], [1, 11, 12, 13, 14, 13, 16], [15, 2], 0),
+]
+
+
+def verl_dump_row(tokenizer, prompt_ids: list[int], response_ids: list[int], score: float) -> dict:
+    """A row as verl's trainer writes it to `trainer.rollout_data_dir/<step>.jsonl`: the left-padded prompt and the
+    right-padded response decoded with `skip_special_tokens=True`, the summed score, the ground truth and the step."""
+    padded_prompt, padded_response = [PAD_ID] * 2 + prompt_ids, response_ids + [PAD_ID] * 3
+    return {
+        "input": tokenizer.decode(padded_prompt, skip_special_tokens=True),
+        "output": tokenizer.decode(padded_response, skip_special_tokens=True),
+        "gts": "4",
+        "score": score,
+        "step": 1,
+    }
+
+
+@pytest.fixture(scope="module")
+def roles_tokenizer(tmp_path_factory) -> str:
+    """TEMPLATE with its role markers special tokens (as a real chat template's are): verl's dump drops them."""
+    roles = ["<user>", "<assistant>"]
+    return save_tokenizer(tmp_path_factory.mktemp("roles"), chat_template=TEMPLATE, additional_special_tokens=roles)
+
+
+@pytest.mark.parametrize("templated", [False, True], ids=["plain", "chat-template"])
+def test_verls_rollout_dump_gives_back_the_policys_token_ids(tmp_path, templated, plain_tokenizer, roles_tokenizer):
+    directory = roles_tokenizer if templated else plain_tokenizer
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
+    expected = [(chat if templated else plain, response, score) for chat, plain, response, score in POLICY_ROWS]
+    dump = [verl_dump_row(tokenizer, prompt, response, score) for prompt, response, score in expected]
+    assert dump[0]["input"] == "how are you"  # neither the template's roles nor the BOS survive
+    assert dump[0]["output"] == "fine thanks"  # nor the EOS
+    ours = {"prompt_ids": [1, 6], "response_ids": [9], "reward": 2.0, "input": "unread", "output": "unread"}
+    got = read_rollouts(write_jsonl(tmp_path / "1.jsonl", [*dump, ours]), vocab_size=17, tokenizer=directory)
+    want = [Rollout(p, r, [0.0] * (len(r) - 1) + [float(s)]) for p, r, s in expected]
+    assert got == [*want, Rollout([1, 6], [9], [2.0])]
+
+
+# A Qwen-style template: a default system message, role names as plain text between special markers
+QWEN_STYLE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def byte_level_tokenizer(tmp_path_factory) -> str:
+    """A byte-level BPE (GPT-2 / Qwen style) trained here on a few lines, with QWEN_STYLE: EOS <|im_end|>."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    lines = ["You are a helpful assistant.", "What is 2 + 2?\nThe answer is 4.", "system user assistant"]
+    backend.train_from_iterator(
+        lines * 10, trainers.BpeTrainer(vocab_size=400, special_tokens=special, initial_alphabet=alphabet)
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", additional_special_tokens=special
+    )
+    tokenizer.chat_template = QWEN_STYLE
+    tokenizer.save_pretrained(directory := tmp_path_factory.mktemp("byte_level"))
+    return str(directory)
+
+
+def test_verls_dump_of_a_byte_level_chat_model_gives_back_the_policys_ids(tmp_path, byte_level_tokenizer):
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(byte_level_tokenizer)
+    policy = []
+    for question, answer in [("What is 2 + 2?", "The answer is 4."), ("  Hi\n\nyou  ", " 4\n")]:
+        message = [{"role": "user", "content": question}]
+        prompt = tokenizer.apply_chat_template(message, add_generation_prompt=True, return_dict=False)
+        policy.append((prompt, [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id], 1.0))
+    dump = [verl_dump_row(tokenizer, prompt, response, score) for prompt, response, score in policy]
+    assert dump[0]["input"] == "system\nYou are a helpful assistant.\nuser\nWhat is 2 + 2?\nassistant\n"
+    got = read_rollouts(write_jsonl(tmp_path / "1.jsonl", dump), tokenizer=byte_level_tokenizer)
+    assert [(r.prompt_ids, r.response_ids) for r in got] == [(p, r) for p, r, _ in policy]
+
+
+VERL_MALFORMED = {
+    "another-template": (
+        {"input": "how are you", "output": "fine", "score": 1.0},
+        "field 'input' ('how are you') is not what verl's trainer.rollout_data_dir writes for one user message "
+        "in this tokenizer's chat template, so the prompt's token ids cannot be recovered; set "
+        "critic.model.tokenizer_path to the policy's tokenizer, or record 'prompt_ids' (or 'prompt': the user "
+        "message) instead",
+    ),
+    "no-score": (
+        {"input": "<user> how <assistant>", "output": "fine"},
+        "field 'score' must be a finite number, got None",
+    ),
+    "score-nan": (
+        '{"input": "<user> how <assistant>", "output": "fine", "score": NaN}',
+        "field 'score' must be a finite number, got nan",
+    ),
+    "input-not-text": (
+        {"input": [6, 7], "output": "fine", "score": 1.0},
+        "field 'input' must be a string (text to tokenise), got [6, 7]",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(VERL_MALFORMED))
+def test_a_verl_dump_row_that_cannot_be_used_names_the_field(tmp_path, kind, chat_tokenizer):
+    row, message = VERL_MALFORMED[kind]
+    good = {"input": "<user> how are you <assistant>", "output": "fine", "score": 1.0}  # role markers not special
+    path = write_jsonl(tmp_path / "1.jsonl", [good, row])
+    with pytest.raises(ValueError) as info:
+        read_rollouts(path, tokenizer=chat_tokenizer)
+    assert str(info.value) == f"{path}: row 2: {message}"
+    assert read_rollouts(write_jsonl(tmp_path / "good.jsonl", [good]), tokenizer=chat_tokenizer) == [
+        Rollout([4, 6, 7, 8, 5], [9, 2], [0.0, 1.0])
+    ]
+
+
+def test_a_verl_dump_read_with_another_tokenizer_is_refused(tmp_path, plain_tokenizer):
+    path = write_jsonl(tmp_path / "1.jsonl", [{"input": "how are zzz", "output": "fine", "score": 1.0}])
+    with pytest.raises(ValueError, match=r"1\.jsonl: row 1: field 'input' \('how are zzz'\) is not what verl's"):
+        read_rollouts(path, tokenizer=plain_tokenizer)  # 'zzz' is <unk>, which decodes to nothing
+    with pytest.raises(ValueError) as info:
+        read_rollouts(path)
+    needs = "field 'input' is text, which needs a tokenizer: set critic.model.tokenizer_path=DIR (a local tokenizer"
+    assert str(info.value) == f"{path}: row 1: {needs} directory; library: read_rollouts(..., tokenizer=DIR))"
 
 
 # ---------------------------------------------------------------------------------------------------------------

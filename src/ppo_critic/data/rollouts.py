@@ -4,6 +4,9 @@ A rollout row holds a prompt, a response and exactly one of `token_level_rewards
 `reward` (a scalar, put on the last response token). Other fields are ignored. The prompt is `prompt_ids` (token
 ids) or `prompt` (text); the response is `response_ids` or `response`; each side on its own, so one file may mix
 id rows and text rows. Text is tokenised with the tokenizer directory passed to `read_rollouts` (see `Tokenizer`).
+A row of verl's rollout dump (`trainer.rollout_data_dir`: `input`, `output`, `score`, and no prompt or response field
+of ours) is read as verl wrote it: `input` is the prompt decoded without special tokens, `output` the response
+likewise, `score` its reward (see `Tokenizer.decoded_prompt`).
 Every malformed row is reported as ``<path>: row <n>: field '<name>' must be ..., got ...`` (for JSON Lines, n is
 the line number).
 """
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 REWARD_FIELDS = ("token_level_rewards", "reward")
 _SIDES = (("prompt_ids", "prompt"), ("response_ids", "response"))  # (token ids, text) of each side
+_VERL_SIDES = ((None, "input"), (None, "output"))  # text only: verl records no token ids
+_PLACEHOLDER = "\x00ppo-critic-message\x00"  # a user message no chat template writes by itself
 _MAX_INT64 = 2**63
 _IDS_EXPECTED = "must be a non-empty list of integer token ids"
 _REWARDS_EXPECTED = "must be a list of finite numbers, one per response token"
@@ -216,12 +221,20 @@ def _parse_row(row: Any, vocab_size: int | None, text: Tokenizer, max_length: in
     """One row as a Rollout: its prompt (which leaves a position for the response), its response, its rewards."""
     if not isinstance(row, dict):
         raise _RowError(f"must be a JSON object with fields prompt_ids, response_ids, ..., got {_kind(row)}")
-    (prompt_ids_field, prompt_field), (response_ids_field, response_field) = _SIDES
+    verl = _is_verl_dump(row)
+    (prompt_ids_field, prompt_field), (response_ids_field, response_field) = _VERL_SIDES if verl else _SIDES
     budget = None if max_length is None else _Budget(max_length, max_length - 1)
     prompt_ids = _side(row, prompt_ids_field, prompt_field, vocab_size, text, budget)
     budget = None if max_length is None else _Budget(max_length, max_length - len(prompt_ids))
     response_ids = _side(row, response_ids_field, response_field, vocab_size, text, budget)
-    return Rollout(prompt_ids, response_ids, _rewards(row, len(response_ids)))
+    rewards = _scalar_reward(row, "score", len(response_ids)) if verl else _rewards(row, len(response_ids))
+    return Rollout(prompt_ids, response_ids, rewards)
+
+
+def _is_verl_dump(row: dict[str, Any]) -> bool:
+    """A row as verl's `trainer.rollout_data_dir` writes it: `input` and `output`, and no field of ours for either."""
+    ours = [field for side in _SIDES for field in side]
+    return "input" in row and "output" in row and not any(field in row for field in ours)
 
 
 @dataclass(frozen=True)
@@ -250,10 +263,11 @@ def _side(
     text: Tokenizer,
     budget: _Budget | None,
 ) -> list[int]:
-    """The token ids of one side (prompt or response): given in `ids_field`, or tokenised from `text_field`."""
-    if row.get(text_field) is None:
+    """The token ids of one side (prompt or response): given in `ids_field`, or tokenised from `text_field` (the only
+    form when `ids_field` is None)."""
+    if ids_field is not None and row.get(text_field) is None:
         return _token_ids(row, ids_field, text_field, vocab_size, budget)
-    if row.get(ids_field) is not None:
+    if ids_field is not None and row.get(ids_field) is not None:
         raise _RowError(
             f"fields {ids_field!r} and {text_field!r} are both given, so the {text_field} is ambiguous; "
             f"keep one: {ids_field!r} (token ids) or {text_field!r} (text to tokenise)"
@@ -261,7 +275,7 @@ def _side(
     value = row[text_field]
     if not isinstance(value, str):
         raise _RowError(f"field {text_field!r} must be a string (text to tokenise), got {_short(value)}")
-    ids = text.prompt(value) if text_field == "prompt" else text.response(value)
+    ids = text.encode(text_field, value)
     if not ids:
         raise _RowError(f"field {text_field!r} must be text that tokenises to at least one token, got {_short(value)}")
     if budget is not None:  # text has no cheap floor on its token count (an unknown word may be one token)
@@ -311,11 +325,16 @@ def _rewards(row: dict[str, Any], response_length: int) -> list[float]:
             f"'reward' (a scalar, put on the last response token), got {which}"
         )
     if given[0] == "reward":
-        value = row["reward"]
-        if not _is_finite_number(value):
-            raise _RowError(f"field 'reward' {_REWARD_EXPECTED}, got {_short(value)}")
-        return [0.0] * (response_length - 1) + [float(value)]
+        return _scalar_reward(row, "reward", response_length)
     return _reward_list(row["token_level_rewards"], response_length)
+
+
+def _scalar_reward(row: dict[str, Any], field: str, response_length: int) -> list[float]:
+    """The number in `field` on the last response token (where verl's reward managers put a sequence's score)."""
+    value = row.get(field)
+    if not _is_finite_number(value):
+        raise _RowError(f"field {field!r} {_REWARD_EXPECTED}, got {_short(value)}")
+    return [0.0] * (response_length - 1) + [float(value)]
 
 
 def _reward_list(value: Any, response_length: int) -> list[float]:
@@ -389,6 +408,12 @@ class Tokenizer:
     def __init__(self, directory: str | os.PathLike | None):
         self.directory = None if directory is None else os.fspath(directory)
         self._tokenizer: Any = None
+        self._frame: tuple[str, str] | None = None
+
+    def encode(self, field: str, text: str) -> list[int]:
+        """The token ids of `text` given in `field`: `prompt` / `response`, or verl's `input` / `output`."""
+        encoders = {"prompt": self.prompt, "response": self.response, "input": self.decoded_prompt}
+        return encoders.get(field, self.response)(text)  # verl's `output` is a response like ours
 
     def prompt(self, text: str) -> list[int]:
         """The prompt's token ids, ending where the policy's answer begins."""
@@ -408,6 +433,44 @@ class Tokenizer:
         ids = self._encode("response", text, add_special_tokens=False)
         return ids if eos is None or ids[-1:] == [eos] else [*ids, eos]
 
+    def decoded_prompt(self, text: str) -> list[int]:
+        """The prompt ids that verl's dump decoded into `text` (`skip_special_tokens=True`, which drops the chat
+        template's special tokens): the template around the one user message that `text` frames, checked by
+        decoding them as verl does. A prompt of another shape (a system message of its own, other template
+        arguments) or another tokenizer's is a row error naming the field: its ids cannot be recovered."""
+        before, after = self._visible_frame()
+        framed = text.startswith(before) and text.endswith(after) and len(text) >= len(before) + len(after)
+        ids = self.prompt(text[len(before) : len(text) - len(after)]) if framed else []
+        if not ids or self._tokenizer.decode(ids, skip_special_tokens=True) != text:
+            raise _RowError(
+                f"field 'input' ({_short(text)}) is not what verl's trainer.rollout_data_dir writes for one user "
+                "message in this tokenizer's chat template, so the prompt's token ids cannot be recovered; set "
+                "critic.model.tokenizer_path to the policy's tokenizer, or record 'prompt_ids' (or 'prompt': the "
+                "user message) instead"
+            )
+        return ids
+
+    def _visible_frame(self) -> tuple[str, str]:
+        """What the chat template writes before and after a user message, as verl's dump shows it (special tokens
+        dropped); ("", "") without a template. Computed once."""
+        if self._frame is None:
+            tokenizer = self._load("input")
+            before, after = "", ""
+            if tokenizer.chat_template:
+                message = [{"role": "user", "content": _PLACEHOLDER}]
+                try:
+                    rendered = tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
+                except Exception as e:  # jinja2 raises its own types
+                    raise _RowError(f"field 'input' needs the tokenizer's chat template, which failed ({e})") from e
+                before, _, after = rendered.partition(_PLACEHOLDER)
+            self._frame = (self._visible(before), self._visible(after))
+        return self._frame
+
+    def _visible(self, text: str) -> str:
+        """`text` as a decode without special tokens shows it."""
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
     def _encode(self, field: str, text: str, add_special_tokens: bool) -> list[int]:
         try:
             return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=add_special_tokens)]
@@ -417,9 +480,10 @@ class Tokenizer:
     def _load(self, field: str) -> Any:
         """The tokenizer, loaded once; a row error naming the fix when no directory was given."""
         if self.directory is None:
+            instead = f", or give {field + '_ids'!r}" if field in ("prompt", "response") else ""
             raise _RowError(
                 f"field {field!r} is text, which needs a tokenizer: set critic.model.tokenizer_path=DIR (a local "
-                f"tokenizer directory; library: read_rollouts(..., tokenizer=DIR)), or give {field + '_ids'!r}"
+                f"tokenizer directory; library: read_rollouts(..., tokenizer=DIR)){instead}"
             )
         if self._tokenizer is None:
             self._tokenizer = _load_tokenizer(self.directory)

@@ -11,6 +11,10 @@ For the FSDP worker, `critic.model.external_lib=ppo_critic.integrations.verl` do
 
 ppo-critic's own options, which verl's critic config dataclasses cannot carry, come from the environment:
 `PPO_CRITIC_OPTIONS="ema_decay=0.9 shuffle=true"` (key=value pairs of the critic section, as on the command line).
+
+verl's FSDP worker builds a LoRA critic itself (peft, `TaskType.TOKEN_CLS`): the value head then trains as the copy
+peft keeps of a module named `score` or `classifier` (`modules_to_save`). A model whose head verl's worker left
+frozen (a head of another name) is refused naming the key.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from typing import Any
 
 from ppo_critic.config.critic import CriticConfig
 from ppo_critic.config.env import OPTIONS_ENV, with_options
+from ppo_critic.config.verl import to_mapping
 from ppo_critic.critics import dp, megatron
 from ppo_critic.integrations.hooks import after_import, installed_version
+from ppo_critic.models.hf import find_value_head, unwrap
 
 TESTED_VERL = "0.7"  # the releases whose legacy critic API this integration implements (0.7.x)
 __all__ = ["OPTIONS_ENV", "REPLACED", "DataParallelPPOCritic", "MegatronPPOCritic", "critic_config", "install"]
@@ -35,7 +41,36 @@ class DataParallelPPOCritic(dp.DataParallelPPOCritic):
     """ppo-critic's data-parallel critic as verl's FSDP `CriticWorker` constructs it (+ `PPO_CRITIC_OPTIONS`)."""
 
     def __init__(self, config: Any, critic_module: Any, critic_optimizer: Any):
+        check_value_head_trains(critic_module, config)
         super().__init__(critic_config(config), critic_module, critic_optimizer)
+
+
+def check_value_head_trains(critic_module: Any, config: Any) -> None:
+    """Refuse a model whose value head verl's worker froze: verl's own critic would fit the values through the
+    backbone alone on a random head, silently. Unchecked where the head is not found or its parameters are out of
+    sight (FSDP1 flattens them into its own)."""
+    try:
+        parent, name = find_value_head(critic_module)
+    except ValueError:
+        return
+    model = unwrap(critic_module)
+    holder = getattr(parent, name) if parent is model else parent  # the head, or what holds it (peft's wrapper)
+    params = list(holder.parameters())
+    if params and not any(p.requires_grad for p in params):
+        head = next(n for n, m in model.named_modules() if m is holder)
+        raise ValueError(_frozen_head_error(to_mapping(config).get("model") or {}, head))
+
+
+def _frozen_head_error(model: dict[str, Any], head: str) -> str:
+    """One line: the verl key that froze the head (LoRA), why that stops the critic, and the fix."""
+    rank = model.get("lora_rank")
+    key = f"critic.model.lora_rank={rank}" if rank else "critic.model"
+    fix = (
+        "use a critic whose head is named score or classifier (the heads verl's LoRA critic trains)"
+        if rank
+        else "leave the head's parameters trainable (requires_grad)"
+    )
+    return f"{key}: verl's worker left the value head {head!r} frozen, so the critic could never fit values; {fix}"
 
 
 class MegatronPPOCritic(megatron.MegatronPPOCritic):

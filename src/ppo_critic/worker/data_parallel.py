@@ -3,6 +3,7 @@ model per replica, parallelised by `parallel.fsdp.parallelize`, checkpointed wit
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,9 +79,13 @@ class DataParallelBackend:
 
     def _full_model(self, full: dict[str, Tensor], lora: bool) -> nn.Module:
         """A plain copy of the model holding `full` (merged when LoRA): merging and folding work in place, and the
-        state dict may alias the live parameters."""
+        state dict may alias the live parameters. Its skeleton comes from the model's config, not from `model.path`:
+        transformers 5 refuses `from_pretrained` on the meta device."""
+        shape = dataclasses.replace(
+            self.config.model, path=None, override_config=self.hf_config.to_dict(), value_head_init="default"
+        )
         with torch.device("meta"):
-            skeleton = model_from_config(self.config.model)
+            skeleton = model_from_config(shape)
         skeleton.load_state_dict({k: v.detach().clone() for k, v in full.items()}, assign=True)
         return merged_model(skeleton) if lora else skeleton
 
