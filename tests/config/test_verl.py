@@ -11,7 +11,6 @@ from ppo_critic import CriticConfig
 from ppo_critic.config.verl import (
     engine_keys,
     engine_section,
-    legacy_worker_error,
     normalise,
     to_mapping,
     worker_errors,
@@ -147,18 +146,3 @@ def test_engine_section_is_what_the_engine_runs(dtype, ours):
         "adamw",
         {"param_offload": True},
     )
-
-
-def test_verl_07s_own_engine_critic_is_refused_naming_the_key():
-    """verl 0.7 with use_legacy_worker_impl=disable trains an FSDP critic on its engine worker, not on the worker whose
-    critic the legacy integration replaces; a megatron critic, no critic, or auto are fine."""
-    config = {"trainer": {"use_legacy_worker_impl": "disable"}, "critic": {"strategy": "fsdp2", "enable": None}}
-    config["algorithm"] = {"adv_estimator": "gae"}
-    error = legacy_worker_error(config)
-    assert error.startswith("trainer.use_legacy_worker_impl=disable makes verl 0.7 train the critic on its own engine")
-    assert error.endswith("set trainer.use_legacy_worker_impl=auto (or, with verl >= 0.9, critic.strategy=ppo_critic)")
-    assert legacy_worker_error(config | {"trainer": {"use_legacy_worker_impl": "auto"}}) is None
-    assert legacy_worker_error(config | {"critic": {"strategy": "megatron"}}) is None
-    assert legacy_worker_error(config | {"algorithm": {"adv_estimator": "grpo"}}) is None
-    forced = {"algorithm": {"adv_estimator": "grpo"}, "critic": {"strategy": "fsdp", "enable": True}}
-    assert legacy_worker_error(config | forced) == error  # critic.enable=true: a critic with any estimator

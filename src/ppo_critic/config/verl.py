@@ -233,17 +233,6 @@ LEGACY_WORKER_ERROR = (
 )
 
 
-def legacy_worker_error(config: Any) -> str | None:
-    """LEGACY_WORKER_ERROR when verl's whole trainer config (a `DictConfig` or a mapping) would train a critic on
-    verl 0.7's engine worker, else None."""
-    trainer, critic, algorithm = (config.get(section) or {} for section in ("trainer", "critic", "algorithm"))
-    enable = critic.get("enable")
-    runs_critic = enable if enable is not None else algorithm.get("adv_estimator") == "gae"  # verl's need_critic
-    if not runs_critic or critic.get("strategy") not in ("fsdp", "fsdp2"):
-        return None
-    return LEGACY_WORKER_ERROR if trainer.get("use_legacy_worker_impl") == "disable" else None
-
-
 def worker_errors(verl_keys: Mapping[str, Any]) -> list[str]:
     """The verl-owned settings (from `normalise`) that ppo-critic's own workers would silently not honour."""
     errors = []

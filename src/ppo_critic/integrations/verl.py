@@ -7,7 +7,8 @@ The one line a verl user adds, before launching verl's trainer as usual:
 verl imports this module in every process that imports verl (the driver and each Ray worker), and from then on
 verl's `CriticWorker`s construct ppo-critic's critics: `DataParallelPPOCritic` in `verl.workers.fsdp_workers`
 (fsdp / fsdp2) and `MegatronPPOCritic` in `verl.workers.megatron_workers`, with verl's config, data and calls.
-For the FSDP worker, `critic.model.external_lib=ppo_critic.integrations.verl` does the same.
+For the FSDP worker, `critic.model.external_lib=ppo_critic.integrations.verl` does the same. verl's engine worker
+(`trainer.use_legacy_worker_impl=disable`) would train verl's own critic instead: built for the critic, it is refused.
 
 ppo-critic's own options, which verl's critic config dataclasses cannot carry, come from the environment:
 `PPO_CRITIC_OPTIONS="ema_decay=0.9 shuffle=true"` (key=value pairs of the critic section, as on the command line).
@@ -19,11 +20,12 @@ frozen (a head of another name) is refused naming the key.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ppo_critic.config.critic import CriticConfig
 from ppo_critic.config.env import OPTIONS_ENV, with_options
-from ppo_critic.config.verl import to_mapping
+from ppo_critic.config.verl import LEGACY_WORKER_ERROR, to_mapping
 from ppo_critic.critics import dp, megatron
 from ppo_critic.integrations.hooks import after_import, installed_version
 from ppo_critic.models.hf import find_value_head, unwrap
@@ -101,6 +103,23 @@ def _patch(module: Any) -> None:
         setattr(module, name, ours)
 
 
+def _refuse_verls_engine_critic(module: Any) -> None:
+    """verl 0.7's engine worker (`trainer.use_legacy_worker_impl=disable`) would train the critic itself, with no
+    ppo-critic critic inside: refused when built for the value model (verl's actor and reference are untouched)."""
+    init = module.TrainingWorker.__init__
+    if getattr(init, "refuses_value_model", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(config, "model_type", None) == "value_model":
+            raise ValueError(LEGACY_WORKER_ERROR)
+        init(self, config, *args, **kwargs)
+
+    __init__.refuses_value_model = True
+    module.TrainingWorker.__init__ = __init__
+
+
 def install() -> None:
     """Make verl's workers construct ppo-critic's critics (idempotent): patch the verl modules already loaded and
     every one loaded later. Raises ImportError for a verl without the legacy critic API."""
@@ -115,6 +134,7 @@ def install() -> None:
     if not _INSTALLED:
         for name in PATCHES:
             after_import(name, _patch)
+        after_import("verl.workers.engine_workers", _refuse_verls_engine_critic)
         _INSTALLED.append(True)
 
 

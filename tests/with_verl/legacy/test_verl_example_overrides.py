@@ -8,7 +8,9 @@ train an FSDP critic on its own engine worker instead, which the integration ref
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hydra.errors import ConfigCompositionException, InstantiationException
@@ -18,7 +20,7 @@ from verl_helpers import critic_dataclass
 
 import ppo_critic.integrations.verl as integration
 from example_overrides import OVERRIDE, read_pinned
-from ppo_critic.config.verl import legacy_worker_error, to_mapping
+from ppo_critic.config.verl import LEGACY_WORKER_ERROR, to_mapping
 from verl_shared import composed
 
 PINNED = read_pinned(Path(__file__).with_name("example_overrides_0.7.1.txt"))
@@ -171,10 +173,6 @@ def test_every_example_override_reaches_its_meaning(script, config, model_dir):
     refused = rejected_by_verl(given, config, model_dir)
     assert refused <= VERL_REJECTS[config], f"verl's own {config} has no place for {sorted(refused)}"
     cfg = composed([o for o in given if OVERRIDE.match(o)["key"] not in refused], config)
-    # verl's own engine worker would train an FSDP critic (not ppo-critic's): refused, naming the key
-    own_engine = "trainer.use_legacy_worker_impl=disable" in given and cfg.critic.strategy in ("fsdp", "fsdp2")
-    error = legacy_worker_error(cfg)
-    assert error.startswith("trainer.use_legacy_worker_impl=disable makes verl 0.7") if own_engine else error is None
     if need_critic(cfg):
         verl, dp = handed_over(cfg)
         per_rank = cfg.critic.ppo_mini_batch_size * cfg.critic.rollout_n // dp  # the actor's size, interpolated
@@ -209,3 +207,18 @@ def test_verl_itself_refuses_keys_its_yaml_has_no_place_for(config, override, er
     assert key in VERL_REJECTS[config] and rejected_by_verl([override], config, model_dir) == {key}
     with pytest.raises(error, match="megatron" if error is InstantiationException else f"Could not override '{key}'"):
         critic_dataclass(composed([f"critic.model.path={model_dir}", override], config))
+
+
+def test_verls_own_engine_worker_for_the_critic_is_refused():
+    """`trainer.use_legacy_worker_impl=disable` (verl's dppo, gspo and sapo scripts) makes verl 0.7 build its engine
+    `TrainingWorker` for the critic, which would train verl's own critic, not ppo-critic's: refused, naming the key.
+    The same worker still serves verl's actor and reference."""
+    from verl.workers.engine_workers import TrainingWorker
+
+    scripts = [s for s in PINNED if "trainer.use_legacy_worker_impl=disable" in PINNED[s]]
+    assert scripts  # the pinned scripts that set it: the refusal is what their GAE branch meets
+    with pytest.raises(ValueError, match=re.escape(LEGACY_WORKER_ERROR)):
+        TrainingWorker(SimpleNamespace(model_type="value_model"))
+    with pytest.raises(Exception) as other:  # an actor's config reaches verl's own constructor (it then needs Ray)
+        TrainingWorker(SimpleNamespace(model_type="language_model"))
+    assert LEGACY_WORKER_ERROR not in str(other.value)
