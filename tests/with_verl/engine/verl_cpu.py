@@ -31,9 +31,16 @@ class _CpuDevice:
     def get_device_name(*args: Any) -> str:
         return "CPU"
 
+    @staticmethod
+    def mem_get_info(*args: Any) -> tuple[int, int]:
+        """(free, total) device memory."""
+        return 0, 0
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith(("max_memory", "memory_", "reset_peak", "reset_max")):
             return lambda *args, **kwargs: 0
+        if name == "empty_cache":  # no device memory to free
+            return lambda *args, **kwargs: None
         return getattr(torch.cpu, name)
 
 
@@ -49,8 +56,9 @@ class PlatformCPU(PlatformBase):
     def is_platform_available(self, use_smi_check: bool = False) -> bool:
         return True
 
-    def current_device(self) -> int:
-        return 0
+    def current_device(self) -> str:
+        """What verl passes wherever torch takes a device (`module.to(get_device_id())`)."""
+        return "cpu"
 
     def device_count(self) -> int:
         return 1
@@ -93,7 +101,9 @@ class PlatformCPU(PlatformBase):
         pass
 
     def ray_resource_name(self) -> str:
-        return "CPU"
+        """Ray's accelerator resource: verl's trainer places one worker per "GPU" (the test's Ray cluster declares
+        as many as it wants workers)."""
+        return "GPU"
 
     def ray_noset_envvars(self) -> list[str]:
         return []
