@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -61,6 +61,14 @@ def model_from_config(model: ModelConfig) -> nn.Module:
     if model.lora_rank:
         built = apply_lora(built, model.lora_rank, model.lora_alpha, model.target_modules)
     return built
+
+
+def export_skeleton(model: ModelConfig, hf_config: Any) -> nn.Module:
+    """The value model `model` describes, on the meta device, for gathered weights to be loaded into: built from its
+    resolved `hf_config`, not from `model.path` (transformers 5 refuses `from_pretrained` on the meta device)."""
+    shape = replace(model, path=None, override_config=hf_config.to_dict(), value_head_init="default")
+    with torch.device("meta"):
+        return model_from_config(shape)
 
 
 def param_groups(model: torch.nn.Module, optim: OptimConfig) -> list[dict[str, Any]]:

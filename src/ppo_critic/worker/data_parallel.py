@@ -3,7 +3,6 @@ model per replica, parallelised by `parallel.fsdp.parallelize`, checkpointed wit
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from ppo_critic.parallel.fsdp import parallelize
 from ppo_critic.parallel.mesh import init_distributed, parallel_groups, select_device
 from ppo_critic.parallel.offload import Offloader
 from ppo_critic.run.checkpoint import export_hf, load_checkpoint, save_checkpoint
-from ppo_critic.worker.build import Layout, build_optimizer, model_from_config, param_groups
+from ppo_critic.worker.build import Layout, build_optimizer, export_skeleton, model_from_config, param_groups
 
 
 class DataParallelBackend:
@@ -79,13 +78,8 @@ class DataParallelBackend:
 
     def _full_model(self, full: dict[str, Tensor], lora: bool) -> nn.Module:
         """A plain copy of the model holding `full` (merged when LoRA): merging and folding work in place, and the
-        state dict may alias the live parameters. Its skeleton comes from the model's config, not from `model.path`:
-        transformers 5 refuses `from_pretrained` on the meta device."""
-        shape = dataclasses.replace(
-            self.config.model, path=None, override_config=self.hf_config.to_dict(), value_head_init="default"
-        )
-        with torch.device("meta"):
-            skeleton = model_from_config(shape)
+        state dict may alias the live parameters."""
+        skeleton = export_skeleton(self.config.model, self.hf_config)
         skeleton.load_state_dict({k: v.detach().clone() for k, v in full.items()}, assign=True)
         return merged_model(skeleton) if lora else skeleton
 

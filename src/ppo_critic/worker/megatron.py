@@ -21,7 +21,7 @@ from ppo_critic.parallel import megatron as mp
 from ppo_critic.parallel.mesh import Groups, compute_dtype, select_device
 from ppo_critic.parallel.offload import Offloader
 from ppo_critic.run.checkpoint import export_hf, load_state_dicts, save_state_dicts
-from ppo_critic.worker.build import Layout, model_from_config
+from ppo_critic.worker.build import Layout, export_skeleton, model_from_config
 
 
 class MegatronBackend:
@@ -94,8 +94,7 @@ class MegatronBackend:
     def export_hf(self, out_dir: str | Path, replace: bool) -> Path:
         """The gathered HF weights; under `value_norm` the statistics are folded into the head (raw values)."""
         state = self.hf_state_dict()
-        with torch.device("meta"):
-            skeleton = model_from_config(ModelConfig(override_config=self.hf_config.to_dict()))
+        skeleton = export_skeleton(ModelConfig(), self.hf_config)
         norm = self.critic.value_norm
         if norm.enabled:
             head = torch.nn.Linear(state["score.weight"].shape[1], 1, dtype=state["score.weight"].dtype)
