@@ -324,12 +324,18 @@ def run_title(cfg: TrainConfig, source: TaskSource | FileSource) -> str:
 def _iteration(worker: CriticWorker, source: TaskSource | FileSource, t: TrainerConfig) -> dict[str, float]:
     batch = source.next_batch()
     batch["values"] = worker.compute_values(batch)
-    rewards, values, mask = batch["token_level_rewards"], batch["values"], batch["response_mask"]
-    if worker.step < t.critic_warmup_steps:  # Monte-Carlo returns while the critic warms up
-        _, batch["returns"] = compute_gae_advantage_return(rewards, values, mask, t.gamma, 1.0)
+    batch["returns"] = critic_returns(batch, batch["values"], t, worker.step)
+    return worker.update_critic(batch)
+
+
+def critic_returns(batch: dict[str, Tensor], values: Tensor, t: TrainerConfig, step: int) -> Tensor:
+    """The critic's regression targets: GAE returns bootstrapped from `values`, with the λ of `t` at `step`
+    (Monte-Carlo during `critic_warmup_steps`, then the length-adaptive rule or `lam`)."""
+    rewards, mask = batch["token_level_rewards"], batch["response_mask"]
+    if step < t.critic_warmup_steps:
+        lam = 1.0
     elif t.length_adaptive_alpha is not None:
         lam = length_adaptive_lambda(mask, t.length_adaptive_alpha, gamma=t.gamma, scope=t.length_adaptive_scope)
-        _, batch["returns"] = compute_gae_advantage_return(rewards, values, mask, t.gamma, lam)
     else:
-        _, batch["returns"] = compute_gae_advantage_return(rewards, values, mask, t.gamma, t.lam)
-    return worker.update_critic(batch)
+        lam = t.lam
+    return compute_gae_advantage_return(rewards, values, mask, t.gamma, lam)[1]
