@@ -380,13 +380,15 @@ def summary_table(results: dict[str, dict[str, list[dict]]], work: dict[str, dic
         top = ceiling(runs, size)
         ratio = ours / top[1] if ours is not None and top else None
         times = work.get(task, {})
-        work_ratio = times[ours_name] / times[best] if ours_name in times and best in times else None
+        work_ratio = None
+        if ours_name in times and best in times:
+            work_ratio = times[ours_name]["seconds"] / times[best]["seconds"]
         misses = [
             what
             for what, failed in (
                 (f"> {RATIO_BAR}× the ceiling", ratio is None or ratio > RATIO_BAR),
                 (f"best EV < {EV_BAR}", ev_ours < EV_BAR),
-                ("slower than verl-best", ours is None or (theirs is not None and ours > theirs)),
+                ("slower than verl-best", theirs is not None and (ours is None or ours > theirs)),
                 ("best EV below verl-best's", ev_ours < ev_theirs),
                 (f"work > {WORK_BAR}× verl-best's", work_ratio is not None and work_ratio > WORK_BAR),
             )
@@ -476,31 +478,39 @@ def timing_rounds(task: str, names: list[str], steps: int, rounds: int) -> dict[
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def profiled(iteration, seconds: list[float]):
-    """`iteration` wrapped to append the summed self time of all its operators (torch.profiler, CPU) to `seconds`:
-    the work of one iteration without the interpreter's overhead or the host's idle time."""
+def profiled(iteration, measured: list[dict[str, float]]):
+    """`iteration` wrapped to append what torch.profiler counts of all its operators to `measured`: their summed self
+    time (`seconds`: the work without the interpreter's overhead or the host's idle time), their floating-point
+    operations as the profiler estimates them (`flops`: matrix products) and the operator calls (`calls`)."""
 
     def run(worker, source, trainer):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
             metrics = iteration(worker, source, trainer)
-        seconds.append(sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6)
+        events = prof.key_averages()
+        measured.append(
+            {
+                "seconds": sum(e.self_cpu_time_total for e in events) / 1e6,
+                "flops": float(sum(e.flops for e in events)),
+                "calls": float(sum(e.count for e in events)),
+            }
+        )
         return metrics
 
     return run
 
 
-def work_rounds(task: str, names: list[str], steps: int, rounds: int) -> dict[str, float]:
-    """Operator seconds of one iteration (`profiled`) of each configuration on `task`, side by side: `rounds` rounds,
-    each running every configuration for `steps` iterations in turn; per configuration the median over every
-    iteration but each run's first two (warm-up)."""
-    seconds: dict[str, list[float]] = {name: [] for name in names}
+def work_rounds(task: str, names: list[str], steps: int, rounds: int) -> dict[str, dict[str, float]]:
+    """What `profiled` counts of one iteration of each configuration on `task`, side by side: `rounds` rounds, each
+    running every configuration for `steps` iterations in turn; per configuration the median over every iteration
+    but each run's first two (warm-up)."""
+    measured: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for _ in range(rounds):
         for name in names:
-            measured: list[float] = []
-            with mock.patch.object(train_module, "_iteration", profiled(train_module._iteration, measured)):
+            one: list[dict[str, float]] = []
+            with mock.patch.object(train_module, "_iteration", profiled(train_module._iteration, one)):
                 run_one(name, overrides_of(name, task), seed=0, steps=steps, eval_every=steps)
-            seconds[name] += measured[2:]
-    return {name: statistics.median(s) for name, s in seconds.items()}
+            measured[name] += one[2:]
+    return {name: {k: statistics.median(m[k] for m in rows) for k in rows[0]} for name, rows in measured.items()}
 
 
 def report() -> str:
