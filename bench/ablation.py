@@ -333,7 +333,8 @@ def task_table(task: str, runs: dict[str, list[dict]], timing: dict[str, float])
     ]
     best = {verl_best(runs, size_of(name)) for name in runs}
     for name, rows in runs.items():
-        label = f"**{name}** (verl-best)" if name in best else f"**{name}**" if name == DEFAULT else name
+        default = name.partition("@")[0] == DEFAULT
+        label = f"**{name}** (verl-best)" if name in best else f"**{name}**" if default else name
         label += " (ceiling)" if name.partition("@")[0] in TRUTH else ""
         line = f"| {label} | {len(rows)} |"
         for target in TARGETS:
