@@ -225,6 +225,16 @@ for _name in [*(f"verl_lr{lr}" for lr in BASELINE_LRS), DEFAULT, "truth_default"
 TRUTH = {name for name in CONFIGS if name.startswith("truth_")}  # targets: the task's exact values, not returns
 
 
+def size_of(name: str) -> str:
+    """The model size a configuration names after `@` ("" for the suite's model)."""
+    return name.partition("@")[2]
+
+
+def base_of(name: str) -> str:
+    """The configuration a sized one reruns on another model (itself for the suite's model)."""
+    return name.partition("@")[0]
+
+
 def _truth_iteration(worker, source, trainer) -> dict[str, float]:
     """`ppo_critic.train._iteration` with the exact values as the regression targets (no return noise, no bootstrap
     bias): how fast the model and the rate allow a critic to learn the task at all."""
@@ -247,7 +257,7 @@ def _exact_bootstrap_iteration(worker, source, trainer) -> dict[str, float]:
 def iteration_of(name: str):
     """The iteration a configuration trains with: `ppo_critic.train._iteration` but for the ceilings' and the
     exact-bootstrap configurations'."""
-    if name.partition("@")[0] in TRUTH:
+    if base_of(name) in TRUTH:
         return _truth_iteration
     return _exact_bootstrap_iteration if name.startswith("exactboot_") else train_module._iteration
 
@@ -306,11 +316,6 @@ def median_reach(runs: list[dict], target: float) -> int | None:
     return ranked[(len(ranked) - 1) // 2]
 
 
-def size_of(name: str) -> str:
-    """The model size a configuration names after `@` ("" for the suite's model)."""
-    return name.partition("@")[2]
-
-
 def verl_best(runs: dict[str, list[dict]], size: str = "") -> str | None:
     """The baseline configuration of the sweep (on the model `size`) that reaches EV 0.95 in the fewest median
     iterations, ties (and a sweep that never reaches it) broken by the higher median best EV; None when none ran."""
@@ -333,9 +338,8 @@ def task_table(task: str, runs: dict[str, list[dict]], timing: dict[str, float])
     ]
     best = {verl_best(runs, size_of(name)) for name in runs}
     for name, rows in runs.items():
-        default = name.partition("@")[0] == DEFAULT
-        label = f"**{name}** (verl-best)" if name in best else f"**{name}**" if default else name
-        label += " (ceiling)" if name.partition("@")[0] in TRUTH else ""
+        label = f"**{name}** (verl-best)" if name in best else f"**{name}**" if base_of(name) == DEFAULT else name
+        label += " (ceiling)" if base_of(name) in TRUTH else ""
         line = f"| {label} | {len(rows)} |"
         for target in TARGETS:
             reach = median_reach(rows, target)
@@ -352,7 +356,7 @@ def task_table(task: str, runs: dict[str, list[dict]], timing: dict[str, float])
 def ceiling(runs: dict[str, list[dict]], size: str = "") -> tuple[str, int] | None:
     """The exact-value ceiling on the model `size`: of the configurations regressed on the true values, the one
     reaching EV 0.95 in the fewest median iterations, and that number (None when none ran or none reached it)."""
-    ran = [name for name in runs if name.partition("@")[0] in TRUTH and size_of(name) == size]
+    ran = [name for name in runs if base_of(name) in TRUTH and size_of(name) == size]
     reached = [(reach, name) for name in ran if (reach := median_reach(runs[name], TARGETS[-1]))]
     return min(reached)[::-1] if reached else None
 
@@ -423,7 +427,10 @@ def bounds_table(results: dict[str, dict[str, list[dict]]]) -> str:
             return median_reach(rows, TARGETS[-1]) if rows else None
 
         reached = [(n_reach, n) for n in names if (n_reach := reach(n)) is not None]
-        return f"{min(reached)[1]}: {times(*min(reached)[:1], top)}" if reached else "—"
+        if not reached:
+            return "—"
+        iterations, name = min(reached)
+        return f"{name}: {times(iterations, top)}"
 
     def exact(runs: dict[str, list[dict]], name: str, top: int) -> str:
         if name not in runs:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ppo_critic import train as train_module
-from ppo_critic.algos import agg_loss, masked_mean
+from ppo_critic.algos import agg_loss, compute_gae_advantage_return, masked_mean
 from ppo_critic.critics import dp
 from ppo_critic.critics.base import PPOCriticBase
 from ppo_critic.models import hf
@@ -107,27 +107,13 @@ def horizon_lambda(mask: Tensor, alpha: float, gamma: float) -> Tensor:
     return (1 - 1 / (alpha * horizon.clamp(min=1e-6))).clamp(0, 1)
 
 
-def gae_returns(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: Tensor) -> Tensor:
-    """GAE returns with a λ per token ([B, R]): A_t = δ_t + γ·λ_t·A_{t+1} over the valid tokens."""
-    valid = mask.bool()
-    following, advantage = torch.zeros(len(values)), torch.zeros(len(values))
-    returns = torch.zeros_like(values)
-    for t in reversed(range(values.shape[1])):
-        delta = rewards[:, t] + gamma * following - values[:, t]
-        step = delta + gamma * lam[:, t] * advantage
-        returns[:, t] = torch.where(valid[:, t], step + values[:, t], 0.0)
-        following = torch.where(valid[:, t], values[:, t], following)
-        advantage = torch.where(valid[:, t], step, advantage)
-    return returns
-
-
 def horizon_patches() -> list:
     def iteration(worker, source, t):
         batch = source.next_batch()
         batch["values"] = worker.compute_values(batch)
-        mask = batch["response_mask"]
+        rewards, mask = batch["token_level_rewards"], batch["response_mask"]
         lam = horizon_lambda(mask, t.length_adaptive_alpha, t.gamma)
-        batch["returns"] = gae_returns(batch["token_level_rewards"].float(), batch["values"], mask, t.gamma, lam)
+        _, batch["returns"] = compute_gae_advantage_return(rewards, batch["values"], mask, t.gamma, lam)
         return worker.update_critic(batch)
 
     return [mock.patch.object(train_module, "_iteration", iteration)]

@@ -314,6 +314,23 @@ def test_gae_right_padded_hand_example():
     assert_close(masked_var(advantages, mask), torch.tensor(1.0), atol=24 * UNIT_ROUNDOFF_F32, rtol=0)
 
 
+def test_gae_takes_a_lambda_per_token():
+    """A [B, R] λ is λ_t of A_t = δ_t + γ·λ_t·A_{t+1}: constant over t it is the row's λ; λ_1 = 0 cuts row 0's
+    returns at t1 to the one-step target, while its t0 still sees λ_0 = 1 over the cut."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0]])
+    values = torch.tensor([[0.5, 0.2, 0.4], [1.0, 0.5, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    rows = torch.tensor([0.8, 0.3])
+    per_row = compute_gae_advantage_return(rewards, values, mask, GAMMA, rows)
+    per_token = compute_gae_advantage_return(rewards, values, mask, GAMMA, rows[:, None].expand(-1, 3))
+    assert all(torch.equal(a, b) for a, b in zip(per_row, per_token, strict=True))
+    lam = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    _, returns = compute_gae_advantage_return(rewards, values, mask, GAMMA, lam)
+    # row 0: t2 return 1.0; t1 = 0 + 0.9·0.4 = 0.36 (λ_1 = 0); t0 = 0 + 0.9·0.36 = 0.324 (λ_0 = 1: the return of t1)
+    # row 1 (λ 1): t1 2.0, t0 0 + 0.9·2.0 = 1.8
+    assert_close(returns, torch.tensor([[0.324, 0.36, 1.0], [1.8, 2.0, 0.0]]))
+
+
 def test_gae_interior_masked_gap_carries_next_value():
     # mask [1, 0, 1]; the masked middle token has garbage reward 100 / value -50 that must not matter.
     #   t2: delta = 1.0 + 0 - 0.3 = 0.7                   gae = 0.7

@@ -152,7 +152,8 @@ def compute_value_loss(
 def compute_gae_advantage_return(
     token_level_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float | Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over response tokens (`lam` one λ, or one per row as a [B] tensor).
+    """Generalised advantage estimation over response tokens (`lam` one λ, one per row as a [B] tensor, or one per
+    token as a [B, R] tensor: A_t = δ_t + γ·λ_t·A_{t+1}, a λ by state).
 
     Masked positions are skipped (a masked gap carries the next value and advantage through), so
     right padding and interior masks both work. Returns `(advantages, returns)`: advantages whitened over
@@ -167,7 +168,8 @@ def compute_gae_advantage_return(
     for t in reversed(range(values.shape[-1])):
         valid = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        gae = delta + gamma * lam * last_gae
+        lam_t = lam[:, t] if isinstance(lam, Tensor) and lam.dim() == 2 else lam
+        gae = delta + gamma * lam_t * last_gae
         advantages[:, t] = torch.where(valid, gae, 0.0)
         next_value = torch.where(valid, values[:, t], next_value)
         last_gae = torch.where(valid, gae, last_gae)
