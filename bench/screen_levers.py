@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import importlib.util
 import json
 import sys
@@ -33,6 +34,7 @@ from ppo_critic.algos import agg_loss, compute_gae_advantage_return, masked_mean
 from ppo_critic.critics import dp
 from ppo_critic.critics.base import PPOCriticBase
 from ppo_critic.models import hf
+from ppo_critic.run.files import write_file
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results" / "screens.jsonl"
@@ -119,6 +121,15 @@ def horizon_patches() -> list:
     return [mock.patch.object(train_module, "_iteration", iteration)]
 
 
+def record(row: dict) -> None:
+    """Add a run to the results, rewritten whole (atomically) under a lock: screens running side by side keep each
+    other's rows, and a full disk or an interrupt leaves the file as it was."""
+    with open(RESULTS.parent / f".{RESULTS.stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        before = RESULTS.read_text() if RESULTS.exists() else ""
+        write_file(RESULTS, before + json.dumps(row) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("lever", choices=["hl_gauss", "horizon"])
@@ -150,8 +161,7 @@ def main() -> None:
                 )
             row = {"lever": label, "task": task, "seed": seed, "to_0.95": ablation.first_reach(run["curve"], 0.95)}
             row |= {"best_ev": run["best_ev"], "curve": run["curve"]}
-            with open(RESULTS, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            record(row)
             print(f"{task} seed {seed} {label}: to 0.95 {row['to_0.95']}, best EV {run['best_ev']:.3f}", flush=True)
 
 

@@ -4,6 +4,7 @@ shuffling, and the built-in trainer's critic warmup."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -451,3 +452,12 @@ def test_the_horizon_screen_lambda_never_reads_a_responses_own_length():
     assert torch.equal(
         screens.horizon_lambda(shorter, 0.5, 1.0)[0, : int(shorter[0].sum())], lam[0, : int(shorter[0].sum())]
     )
+
+
+def test_the_screens_record_keeps_every_row(tmp_path):
+    screens = _screens()
+    screens.RESULTS = tmp_path / "screens.jsonl"
+    for i in range(3):
+        screens.record({"run": i})
+    lines = screens.RESULTS.read_text().splitlines()
+    assert [json.loads(line)["run"] for line in lines] == [0, 1, 2]
