@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from conftest import exported_values, make_batch, tiny_config
-from ppo_critic import CriticConfig, DataParallelPPOCritic
+from ppo_critic import CriticConfig, DataParallelPPOCritic, cli
 from ppo_critic.algos import explained_variance
 from ppo_critic.critics.value_norm import ValueNormalizer, preserve_outputs
 from ppo_critic.worker import CriticWorker
+from test_train import SHORT, write_rollout_file
 
 
 def critic_with(tiny_qwen2, mode, lr=0.0, **cfg):
@@ -128,21 +131,39 @@ def test_loss_is_in_normalised_space_and_metrics_in_raw_space(tiny_qwen2, mode):
     assert metrics["critic/value_norm_std"] == pytest.approx(norm.std.item())
 
 
-def test_the_loss_sees_returns_and_old_values_normalised_by_the_same_statistics(tiny_qwen2):
-    """So `cliprange_value` clips around the old values in units of σ."""
-    critic = critic_with(tiny_qwen2, "running")
-    batch = shifted_batch()
-    mask = batch["attention_mask"][:, -5:].bool()
-    batch["values"] = torch.where(mask, batch["values"] * 7.0 + 30.0, torch.nan)  # NaN at padding stays harmless
+@pytest.mark.parametrize("mode", ["running", "popart"])
+def test_the_loss_sees_current_returns_and_the_outputs_the_old_values_came_from(tiny_qwen2, mode):
+    """Returns normalised by the statistics after the merge; old values by those that served them under `running`
+    (the model's outputs did not move, only their meaning), by the new ones under PopArt (it kept the outputs)."""
+    critic = critic_with(tiny_qwen2, mode)
     seen = []
     original = critic._train_mini_batch
     critic._train_mini_batch = lambda mini, *args: (seen.append(mini), original(mini, *args))
-    critic.update_critic(batch)
-    mean, std = critic.value_norm.mean, critic.value_norm.std
-    for key in ("returns", "values"):
-        expected = ((batch[key].double() - mean) / std).float()
-        # the same float64 formula rounded once to float32: equal up to one ulp (assert_close's float32 default)
-        torch.testing.assert_close(seen[0][key][mask], expected[mask])
+    for seed in (0, 1):
+        batch = shifted_batch(seed, shift=50.0 * (seed + 1))
+        mask = batch["attention_mask"][:, -5:].bool()
+        batch["values"] = torch.where(mask, batch["values"] * 7.0 + 30.0, torch.nan)  # NaN at padding stays harmless
+        served = critic.value_norm.snapshot()
+        critic.update_critic(batch)
+        norm = critic.value_norm
+        old = served if mode == "running" else norm
+        for key, stats in (("returns", norm), ("values", old)):
+            expected = ((batch[key].double() - stats.mean) / stats.std).float()
+            # the same float64 formula rounded once to float32: equal up to one ulp (assert_close's float32 default)
+            torch.testing.assert_close(seen[-1][key][mask], expected[mask])
+        assert not torch.equal(served.mean, norm.mean)  # the statistics moved in each call
+
+
+@pytest.mark.parametrize("mode", ["running", "popart"])
+def test_a_move_of_the_statistics_clips_no_token_of_an_unchanged_model(tiny_qwen2, mode):
+    """Learning rate 0: the model gives the old values' outputs, so no token may be clipped, however far μ jumps
+    (returns around 50, first call: μ 0 -> ~50 in units of σ ~10; mapped by the new statistics, every old value sat
+    ~5σ below the model's output and the loss had no gradient)."""
+    critic = critic_with(tiny_qwen2, mode, cliprange_value=0.5)
+    batch = shifted_batch()
+    batch["values"] = critic.compute_values(batch)
+    metrics = critic.update_critic(batch)
+    assert metrics["critic/vf_clipfrac"] == 0.0 and metrics["critic/grad_norm"] > 0
 
 
 def test_running_normalisation_fits_large_returns_where_raw_regression_cannot(tiny_qwen2):
@@ -235,3 +256,86 @@ def test_a_generic_critic_exports_raw_values_too(tmp_path):
     plain = DataParallelPPOCritic({"ppo_mini_batch_size": 8}, reloaded, None)  # no statistics: raw outputs
     # as above: folded statistics, the same sums in another order, values of scale σ ~ 10 (measured 7.6e-6)
     torch.testing.assert_close(plain.compute_values(batch), worker.compute_values(batch), rtol=1e-5, atol=1e-4)
+
+
+def no_spread_batches():
+    """Returns with no spread (issue 39): the all-zero first batch of a sparse-reward run, a constant reward, one
+    valid token, and constant returns as fp32 GAE leaves them (rounded in their last bits)."""
+    zeros, constant, single, rounded = (make_batch(8, 6, 5, seed=s) for s in range(4))
+    zeros["returns"] = torch.zeros_like(zeros["returns"])
+    constant["returns"] = torch.full_like(constant["returns"], 3.0)
+    single["attention_mask"][:, -5:] = 0
+    single["attention_mask"][0, -5] = 1  # one valid response token in the batch
+    values = rounded["values"]
+    rounded["returns"] = (0.7 - values) + values  # ~1e-8 of rounding around 0.7, as GAE's advantages + values
+    return {"zeros": zeros, "constant": constant, "single": single, "rounded": rounded}
+
+
+@pytest.mark.parametrize("mode", ["running", "popart"])
+@pytest.mark.parametrize("name", list(no_spread_batches()))
+def test_returns_without_spread_leave_the_update_as_without_normalisation(tiny_qwen2, mode, name):
+    """Their σ of ~0 used to floor at 1e-4: old values thousands of σ away, every token clipped, no gradient (running;
+    vf_loss ~1e6), or a head rescaled x1e4 (popart, grad norm ~5e7). They must not start the statistics at all."""
+    batch = no_spread_batches()[name]
+    results = {}
+    for norm in ("off", mode):
+        torch.manual_seed(0)
+        critic = critic_with(tiny_qwen2, norm, lr=1e-3, cliprange_value=0.5)
+        batch["values"] = critic.compute_values(batch)
+        metrics = critic.update_critic(batch)
+        results[norm] = (metrics, critic.compute_values(batch), critic.value_norm)
+    (off, off_values, _), (got, values, stats) = results["off"], results[mode]
+    assert stats.count.item() == 0 and stats.mean.item() == 0.0 and stats.std.item() == 1.0
+    assert got["critic/grad_norm"] > 0 and got["critic/vf_clipfrac"] == off["critic/vf_clipfrac"]
+    # the identity statistics: the same float32 computation as without normalisation, bit for bit
+    assert got["critic/vf_loss"] == off["critic/vf_loss"] and got["critic/grad_norm"] == off["critic/grad_norm"]
+    assert torch.equal(values, off_values)
+
+
+@pytest.mark.parametrize("mode", ["running", "popart"])
+def test_the_statistics_start_at_the_first_batch_with_spread_and_then_take_every_batch(tiny_qwen2, mode):
+    critic = critic_with(tiny_qwen2, mode, lr=1e-3)
+    batches = no_spread_batches()
+    for name in ("zeros", "constant"):
+        critic.update_critic(batches[name])
+    varied = shifted_batch(seed=5)
+    mask = varied["attention_mask"][:, -5:].bool()
+    critic.update_critic(varied)
+    norm = critic.value_norm
+    assert norm.count.item() == mask.sum().item()  # the batches without spread are not in the statistics
+    # float64 statistics of 8 x 5 returns vs computed directly: ~n·2**-53, inside assert_close's float64 default
+    torch.testing.assert_close(norm.mean, varied["returns"][mask].double().mean())
+    critic.update_critic(batches["zeros"])  # once started, a batch without spread is merged like any other
+    assert norm.count.item() == mask.sum().item() + batches["zeros"]["attention_mask"][:, -5:].sum().item()
+
+
+def test_spread_is_measured_over_every_rank():
+    """Two ranks each holding constant returns (0 and 2) see spread together: the decision uses the reduced sums."""
+    norm = ValueNormalizer("running")
+    returns, mask = torch.zeros(4, 3), torch.ones(4, 3)
+    other_rank = torch.stack([mask.sum(), torch.tensor(24.0), torch.tensor(48.0)]).double()  # twelve returns of 2
+    norm.update(returns, mask, all_reduce=lambda local: local + other_rank)
+    assert norm.count.item() == 24 and norm.mean.item() == 1.0 and norm.std.item() == 1.0
+
+
+@pytest.mark.parametrize("mode", ["running", "popart"])
+def test_a_sparse_reward_run_through_the_command_learns_from_its_first_batch(tmp_path, mode):
+    """`ppo-critic train` on a rollout file whose every reward is 0 (Monte-Carlo returns, λ = 1): each update's
+    loss is the plain regression's (the head's outputs are ~0.1-0.5 here: a loss of order 0.1, against ~1e6 when σ
+    floored at 1e-4), its gradient is not zero, and the statistics stay the identity."""
+    data = tmp_path / "zeros.jsonl"
+    rows = write_rollout_file(data, 12)
+    data.write_text("".join(json.dumps({**row, "reward": 0.0}) + "\n" for row in rows))
+    run = tmp_path / "run"
+    args = [
+        *SHORT,
+        "trainer.steps=2",
+        f"trainer.run_dir={run}",
+        f"data={data}",
+        f"critic.value_norm={mode}",
+        "critic.ema_decay=0",
+    ]
+    assert cli.main(["train", *args, "trainer.length_adaptive_alpha=null", "trainer.logger=[jsonl]"]) == 0
+    for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):
+        assert row["critic/vf_loss"] < 1.0 and row["critic/grad_norm"] > 0 and row["critic/vf_clipfrac"] < 1.0
+        assert row["critic/value_norm_mean"] == 0.0 and row["critic/value_norm_std"] == 1.0

@@ -44,7 +44,7 @@ def test_dp2_matches_one_process(dp2, name):
     # below 1e-12 (see tests/critics/test_value_norm.py); a statistic reduced wrongly is off by > 1e-3
     torch.testing.assert_close(rank0, torch.stack([norm.count, norm.mean, norm.var]), rtol=1e-12, atol=1e-12)
     if norm.enabled:
-        assert rank0[0].item() == sum(b["attention_mask"][:, -5:].sum().item() for b in batches())
+        assert rank0[0].item() == sum(b["attention_mask"][:, -5:].sum().item() for b in batches()[1:])  # not zeros
     batch = batches()[0]
     values = reference.compute_values(batch)
     torch.testing.assert_close(torch.tensor(report[name]["values"]), values, rtol=1e-5, atol=1e-5)  # FP32_REORDERED

@@ -50,8 +50,14 @@ RESUMED = {"ema_ddp", "ema_fsdp2"}  # also saved, loaded into a fresh worker and
 
 
 def batches() -> list[dict[str, torch.Tensor]]:
-    """Two global batches of 16 rows whose returns are far from the initial values (the statistics move)."""
-    out = []
+    """Global batches of 16 rows: all-zero returns (no spread: the statistics do not start, issue 39), constant
+    returns on each rank that differ between the ranks (0 on rank 0's rows, 2 on rank 1's: spread only over both,
+    so the statistics start), then two whose returns are far from the initial values (the statistics move)."""
+    zeros, halves = make_batch(16, 6, 5, seed=2), make_batch(16, 6, 5, seed=3)
+    zeros["returns"] = torch.zeros_like(zeros["returns"])
+    rank1_rows = (torch.arange(16) % BASE["ppo_mini_batch_size"]) >= BASE["ppo_mini_batch_size"] // 2
+    halves["returns"] = torch.where(rank1_rows[:, None], 2.0, 0.0).expand_as(halves["returns"]).clone()
+    out = [zeros, halves]
     for seed in (0, 1):
         batch = make_batch(16, 6, 5, seed=seed)
         batch["returns"] = batch["returns"] * 4.0 + 10.0 * (seed + 1)

@@ -236,14 +236,18 @@ class PPOCriticBase:
         return self._metrics(metrics, batch, time.perf_counter() - start)
 
     def _normalised_targets(self, batch: Batch) -> Batch:
-        """With `value_norm`: update the return statistics from this call's returns, then `batch` with returns and
-        old values in the model's normalised output space."""
+        """With `value_norm`: update the return statistics from this call's returns, then `batch` with the returns
+        and the old values in the model's output space (`ValueNormalizer.normalise_old_values`)."""
         norm = self.value_norm
         if not norm.enabled:
             return batch
+        served = norm.snapshot()
         self.update_value_norm(batch["returns"], batch.response_mask)
-        tensors = batch.tensors | {key: norm.normalise(batch[key]) for key in TARGET_KEYS}
-        return Batch(tensors, batch.non_tensors, batch.meta_info)
+        targets = {
+            "returns": norm.normalise(batch["returns"]),
+            "values": norm.normalise_old_values(batch["values"], served),
+        }
+        return Batch(batch.tensors | targets, batch.non_tensors, batch.meta_info)
 
     def _metrics(self, metrics: UpdateMetrics, batch: Batch, elapsed_s: float) -> dict[str, float]:
         """`critic/*` in raw return space (the loss excepted: it is in normalised space under `value_norm`)."""

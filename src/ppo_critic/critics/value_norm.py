@@ -3,15 +3,23 @@
 - `off`: the model predicts returns directly.
 - `running`: the model predicts `(return − μ) / σ`, where μ, σ are the mean and standard deviation of every valid
   return seen so far (all `update_critic` calls, all data-parallel ranks). `compute_values` de-normalises; the loss
-  is computed in normalised space against normalised returns, with the old values normalised by the same μ, σ
-  (so `cliprange_value` is in units of σ). When μ, σ move, the model's de-normalised outputs move with them.
+  is computed in normalised space against returns normalised by the current μ, σ, and the old values clipped around
+  are the outputs the model gave them with (normalised by the μ, σ that served them), so `cliprange_value` bounds how
+  far the model's output moves, in units of σ. When μ, σ move, the model's de-normalised outputs move with them.
 - `popart` (van Hasselt et al., 2016, "Learning values across many orders of magnitude"): as `running`, and
   whenever μ, σ change the value head's weight and bias are rescaled so that the de-normalised predictions stay
-  the same: `w' = w·σ/σ'`, `b' = (σ·b + μ − μ')/σ'`.
+  the same: `w' = w·σ/σ'`, `b' = (σ·b + μ − μ')/σ'` (so the old values' outputs are those of the current μ, σ).
 
 The statistics are updated once per `update_critic` call, before its first step, from the call's valid returns;
 they are sums (count, sum, sum of squares) reduced over the data-parallel ranks, merged into the running values
-(Chan et al.'s parallel variance), so every rank holds the same μ, σ. Before the first update μ = 0, σ = 1.
+(Chan et al.'s parallel variance), so every rank holds the same μ, σ.
+
+**No spread, no statistics.** They start at the first batch whose returns *vary*: σ of at least
+`MIN_STD · max(1, |mean|)`. Until then μ = 0, σ = 1 (the identity), and a batch without spread — the all-zero first
+batch of a sparse-reward run, a constant reward, a single valid token, returns equal up to the rounding of fp32 GAE
+(~1e-7 relative) — is not merged: its σ of ~0 would put the old values thousands of σ away (every token clipped, the
+update wasted; under PopArt a head scaled ×1e4). Once started, every batch is merged and σ never goes below
+`MIN_STD`.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from torch import Tensor, nn
 
 from ppo_critic.config.modes import VALUE_NORM_MODES
 
-MIN_STD = 1e-4  # σ never goes below this, so constant returns (e.g. a first batch of zeros) cannot divide by ~0
+MIN_STD = 1e-4  # σ's floor once the statistics have started, and the spread (× max(1, |mean|)) that starts them
 STATE_KEYS = ("value_norm/count", "value_norm/mean", "value_norm/var")
 
 
@@ -66,7 +74,8 @@ class ValueNormalizer:
         head: nn.Linear | None = None,
     ) -> None:
         """Merge the valid `returns` (summed over ranks by `all_reduce`) into the statistics; with PopArt, rescale
-        `head` so that its de-normalised outputs are unchanged. A no-op when off or when nothing is valid."""
+        `head` so that its de-normalised outputs are unchanged. A no-op when off, when nothing is valid, and before
+        the statistics have started when these returns do not vary (module docstring)."""
         if not self.enabled:
             return
         valid = mask.bool()
@@ -76,6 +85,8 @@ class ValueNormalizer:
             return
         batch_mean = total / n
         batch_var = (total_sq / n - batch_mean**2).clamp(min=0.0)
+        if self.count.item() == 0 and not has_spread(batch_mean, batch_var):
+            return
         merged = self.count + n
         delta = batch_mean - self.mean
         new_mean = self.mean + delta * n / merged
@@ -86,6 +97,20 @@ class ValueNormalizer:
             if head is None:
                 raise ValueError("value_norm=popart needs the model's value head to rescale")
             preserve_outputs(head, old_mean, old_std, self.mean, self.std)
+
+    def snapshot(self) -> ValueNormalizer:
+        """A copy of the statistics as they are now (e.g. those that gave the old values, before an update)."""
+        copy = ValueNormalizer(self.mode, self.mean.device)
+        copy.count, copy.mean, copy.var = self.count.clone(), self.mean.clone(), self.var.clone()
+        return copy
+
+    def normalise_old_values(self, values: Tensor, served: ValueNormalizer) -> Tensor:
+        """Old raw `values`, given under the statistics `served`, as the outputs the model gave them with: what value
+        clipping must measure the new outputs against. PopArt kept those outputs through the update (the current
+        statistics map them back); `running` did not move them, only their meaning, so `served` maps them back.
+        (Mapped by the current statistics instead, a move of μ by more than `cliprange_value`·σ would clip every
+        token: the first update of a run, whose μ jumps from 0, lost a third of its tokens' gradient that way.)"""
+        return (self if self.mode == "popart" else served).normalise(values)
 
     def fold_into(self, head: nn.Linear) -> None:
         """Make a copy's `head` predict raw values (`w ← σ·w`, `b ← σ·b + μ`): an export needs no statistics."""
@@ -99,6 +124,12 @@ class ValueNormalizer:
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         device = self.mean.device
         self.count, self.mean, self.var = (state[k].to(device, torch.float64) for k in STATE_KEYS)
+
+
+def has_spread(mean: Tensor, var: Tensor) -> bool:
+    """Whether returns of this mean and variance vary beyond no signal and rounding: σ ≥ MIN_STD · max(1, |mean|)
+    (float64 sums of squares lose ~1e-14 of mean², σ ~1e-7·|mean|; fp32 GAE's rounding is of the same size)."""
+    return bool(var >= (MIN_STD * mean.abs().clamp(min=1.0)) ** 2)
 
 
 @torch.no_grad()

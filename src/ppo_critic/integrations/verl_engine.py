@@ -20,13 +20,14 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 
 from ppo_critic.config.critic import CriticConfig, RankSizes
 from ppo_critic.config.env import OPTIONS_ENV, with_options
 from ppo_critic.config.verl import engine_section, to_mapping
-from ppo_critic.critics.dp import MicroResult
+from ppo_critic.critics.dp import MicroLoss, MicroResult
 from ppo_critic.data.batch import MULTI_MODAL, Batch
 from ppo_critic.data.batching import check_token_budget
 from ppo_critic.parallel.mesh import parallel_groups, select_device
@@ -164,13 +165,29 @@ class PPOCriticEngine(BaseEngine):
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None, forward_only: bool = False):
         """Micro-batches of one mini-batch through the critic: per-token `values` (nested, like verl's own value
-        engine), verl's `loss_function` over the global denominators, and (unless `forward_only`) the backward."""
-        critic = self._critic
+        engine), verl's `loss_function` over the global denominators, and (unless `forward_only`) the backward. The
+        loss and metrics are the mini-batch's, whatever the micro-batches, DP or SP (`MiniBatchReport`)."""
+        critic, train = self._critic, not forward_only
         batch = dense_inputs(data, self.device)
         critic.check_token_ids(batch)
-        train = not forward_only
+        groups = self._micro_batches(data, batch, train)
+        report = MiniBatchReport(self.device)
+        loss_fn = None
+        if loss_function is not None:
+            self._assign_denominators(data)
+            data = data.to(self.device)  # verl's loss reads it beside the values: both on the critic's device
+            self._normalise_targets(data, update=train)
+            loss_fn = self._micro_loss(data, loss_function, report)
+        results = critic.forward_backward(batch, groups, loss_fn, backward=train)
+        self._finite += [torch.isfinite(m.loss) for m in results if m.loss is not None]
+        values = map_flat(values_in_order(results, batch["attention_mask"]), critic.value_norm.denormalise)
+        return {"model_output": {"values": values}, "loss": report.losses(), "metrics": self._metrics(report, train)}
+
+    def _micro_batches(self, data: TensorDict, batch: Batch, train: bool) -> list[list[int]]:
+        """The row groups of the mini-batch: verl's per-call `use_dynamic_bsz`, `micro_batch_size_per_gpu` and
+        `max_token_len_per_gpu` where it sets them, else the engine's; a row over the budget names verl's keys."""
+        critic, sizes = self._critic, self._critic.sizes
         dynamic = bool(tu.get_non_tensor_data(data, "use_dynamic_bsz", self.config.use_dynamic_bsz))
-        sizes = critic.sizes
         micro = tu.get_non_tensor_data(data, "micro_batch_size_per_gpu", None) or (
             sizes.micro_batch if train else sizes.forward_micro_batch
         )
@@ -178,45 +195,45 @@ class PPOCriticEngine(BaseEngine):
         budget = (tu.get_non_tensor_data(data, "max_token_len_per_gpu", None) or default_budget) * critic.sp_size
         if dynamic:
             check_token_budget(batch["attention_mask"].sum(-1), budget, TRAIN_BUDGET if train else INFER_BUDGET)
-        if loss_function is not None:
-            self._assign_denominators(data)
-            data = data.to(self.device)  # verl's loss reads it beside the values: both on the critic's device
-            self._normalise_targets(data, update=train)
-        groups = critic.micro_batches(batch, dynamic, int(micro), int(budget))
-        metrics: dict[str, Any] = {}
+        return critic.micro_batches(batch, dynamic, int(micro), int(budget))
+
+    def _micro_loss(self, data: TensorDict, loss_function: Callable, report: MiniBatchReport) -> MicroLoss:
+        """verl's `loss_function` on a micro-batch's rows of `data`, kept in `report`; the backward gets it times sp
+        (`_assign_denominators`)."""
+        sp_size = self._critic.sp_size
 
         def verl_loss(inputs: Batch, rows: list[int], token_values: Tensor) -> Tensor:
             values = as_jagged(token_values, inputs["attention_mask"])
             micro_data = tu.index_select_tensor_dict(data, rows or [0])
-            loss, micro_metrics = loss_function(
+            loss, metrics = loss_function(
                 model_output={"values": values}, data=micro_data, dp_group=self.get_data_parallel_group()
             )
-            if rows:
-                append_to_dict(metrics, micro_metrics)  # verl's collection: a Metric gathers its values
-            return loss if rows else loss * 0  # a stand-in group keeps the ranks in step with zero weight
+            if not rows:
+                return loss * 0  # a stand-in group keeps the ranks in step with zero weight
+            report.add(loss, metrics, flat(micro_data["response_mask"]))
+            return loss * sp_size
 
-        loss_fn = None if loss_function is None else verl_loss
-        results = critic.forward_backward(batch, groups, loss_fn, backward=not forward_only)
-        self._finite += [torch.isfinite(m.loss) for m in results if m.loss is not None]
-        losses = [m.loss for m in results if m.rows and m.loss is not None]
-        if critic.value_norm.enabled and train:
-            norm = critic.value_norm
-            append_to_dict(
-                metrics, {"critic/value_norm_mean": norm.mean.item(), "critic/value_norm_std": norm.std.item()}
-            )
-        values = map_flat(values_in_order(results, batch["attention_mask"]), critic.value_norm.denormalise)
-        return {
-            "model_output": {"values": values},
-            "loss": torch.stack(losses).tolist() if losses else [],  # one device sync for the mini-batch
-            "metrics": metrics,
-        }
+        return verl_loss
+
+    def _metrics(self, report: MiniBatchReport, train: bool) -> dict[str, Any]:
+        """The mini-batch's metrics as verl's worker collects them; under `value_norm` the predictions' mean in raw
+        space (as ppo-critic's own critic reports it) and, in training, the return statistics."""
+        norm = self._critic.value_norm
+        metrics = report.metrics(self._critic.all_reduce, self.groups.dp_size)
+        if norm.enabled and VPRED_MEAN in metrics:
+            mean = torch.tensor(metrics[VPRED_MEAN][0], dtype=torch.float64)
+            metrics[VPRED_MEAN] = [float(norm.denormalise(mean.to(norm.mean.device)))]
+        if norm.enabled and train:
+            metrics |= {"critic/value_norm_mean": [norm.mean.item()], "critic/value_norm_std": [norm.std.item()]}
+        return metrics
 
     def _assign_denominators(self, data: TensorDict) -> None:
         """verl's loss normalises by `batch_num_tokens` (this mini-batch's loss-mask tokens on every DP rank) and
-        `global_batch_size` (its sequences), times `dp_size`. Gradients are averaged over all dp × sp ranks, and
-        under Ulysses each sp rank backpropagates its slice of the loss: so `dp_size` is dp × sp."""
+        `global_batch_size` (its sequences), times `dp_size`, the DP size, as verl's own engine sets it: so the loss
+        and the metrics verl reads are the mini-batch's. Gradients are averaged over all dp × sp ranks, and under
+        Ulysses each sp rank backpropagates its slice of the loss: the backward gets the loss times sp."""
         tokens = self._critic.all_reduce(data["loss_mask"].sum().double().to(self.device))
-        assign = {"batch_num_tokens": float(tokens), "dp_size": self.groups.world_size}
+        assign = {"batch_num_tokens": float(tokens), "dp_size": self.groups.dp_size}
         if tu.get_non_tensor_data(data, "global_batch_size", None) is None:
             rows = torch.tensor(float(len(data)), dtype=torch.float64, device=self.device)
             assign["global_batch_size"] = float(self._critic.all_reduce(rows))
@@ -229,12 +246,14 @@ class PPOCriticEngine(BaseEngine):
         is one mini-batch, and the statistics agree after every call; each further epoch merges the same returns
         again, which leaves their mean and variance as they are and only weighs the call more against earlier ones)."""
         critic = self._critic
-        if not critic.value_norm.enabled:
+        norm = critic.value_norm
+        if not norm.enabled:
             return
+        served = norm.snapshot()  # old values: the outputs they came from (`ValueNormalizer.normalise_old_values`)
         if update:
             critic.update_value_norm(flat(data["returns"]), flat(data["response_mask"]))
-        for key in ("returns", "values"):
-            data[key] = map_flat(data[key], critic.value_norm.normalise)
+        data["returns"] = map_flat(data["returns"], norm.normalise)
+        data["values"] = map_flat(data["values"], lambda values: norm.normalise_old_values(values, served))
 
     def get_data_parallel_size(self) -> int:
         return self.groups.dp_size
