@@ -43,6 +43,9 @@ VERL_OWNED = ("ppo_mini_batch_size", "ppo_epochs", "shuffle", "data_loader_seed"
 VERL_DECIDES = dict.fromkeys((*VERL_OWNED, "loss_scale_factor"), "set it in verl's critic config") | dict.fromkeys(
     ("vf_loss_type", "huber_delta"), "remove it: verl's value_loss is the clipped squared error"
 )
+# verl's value_loss metrics that are means over a micro-batch's response tokens (`MiniBatchReport`)
+VPRED_MEAN = "critic/vpred_mean"
+TOKEN_MEANS = ("critic/vf_clipfrac", VPRED_MEAN)
 # the keys that set the engine's token budgets in verl 0.9's trainers (verl's yaml lacks the first: hydra needs `+`)
 INFER_BUDGET = "+critic.ppo_infer_max_token_len_per_gpu=N (verl's compute-values budget)"
 TRAIN_BUDGET = (
@@ -322,6 +325,61 @@ class PPOCriticEngine(BaseEngine):
     @property
     def _critic(self):
         return self._worker.critic
+
+
+class MiniBatchReport:
+    """verl's loss and metrics of one mini-batch, one value per metric over all DP ranks. verl's value_loss reports per
+    micro-batch and verl's worker averages those unweighted, which would change with the micro-batches and DP: here a
+    summed `Metric` (the loss over the global denominators) is summed over the micro-batches and read as verl reads
+    it, and a mean over response tokens (`TOKEN_MEANS`) is weighted by each micro-batch's tokens; any other metric
+    passes through as verl gave it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._losses: list[Tensor] = []
+        self._tokens: list[Tensor] = []
+        self._sums: dict[str, list[Tensor]] = {}
+        self._summed: dict[str, AggregationType] = {}  # keys of summed Metrics -> their aggregation
+        self._passed: dict[str, Any] = {}
+
+    def add(self, loss: Tensor, metrics: dict[str, Any], response_mask: Tensor) -> None:
+        """One real micro-batch: verl's loss and metrics of it, weighted by the valid tokens of `response_mask`."""
+        self._losses.append(loss.detach())
+        tokens = (response_mask != 0).sum().double()
+        self._tokens.append(tokens)
+        for key, value in metrics.items():
+            part = self._part(key, value, tokens)
+            if part is None:
+                append_to_dict(self._passed, {key: value})
+            else:
+                self._sums.setdefault(key, []).append(part)
+
+    def _part(self, key: str, value: Any, tokens: Tensor) -> Tensor | None:
+        """`value`'s share of its metric's mini-batch sum (float64 on the device), or None to pass it through."""
+        if isinstance(value, Metric) and value.aggregation is AggregationType.SUM:
+            self._summed[key] = value.aggregation
+            return torch.tensor(sum(value.values), dtype=torch.float64, device=self.device)
+        if key in TOKEN_MEANS and not isinstance(value, Metric):
+            return torch.as_tensor(value, dtype=torch.float64, device=self.device) * tokens
+        return None
+
+    def losses(self) -> list[float]:
+        """The micro-batches' losses for verl's worker, which sums them and averages over DP (one device sync)."""
+        return torch.stack(self._losses).tolist() if self._losses else []
+
+    def metrics(self, reduce: Callable[[Tensor], Tensor], dp_size: int) -> dict[str, Any]:
+        """Each metric of the mini-batch on every DP rank (`reduce`: the sum over DP, one collective): a summed Metric
+        holds the mean over ranks of each rank's sum (what verl's worker makes of it), a token mean the global one."""
+        if not self._tokens:
+            return dict(self._passed)
+        keys = list(self._sums)
+        local = torch.stack([torch.stack(self._tokens).sum(), *(torch.stack(self._sums[k]).sum() for k in keys)])
+        tokens, *totals = reduce(local).tolist()
+        metrics = dict(self._passed)
+        for key, total in zip(keys, totals, strict=True):
+            summed = self._summed.get(key)
+            metrics[key] = [total / max(tokens, 1.0)] if summed is None else Metric(summed, total / dp_size)
+        return metrics
 
 
 def dense_inputs(data: TensorDict, device: torch.device) -> Batch:

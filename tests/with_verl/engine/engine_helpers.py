@@ -9,11 +9,13 @@ import copy
 from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 import verl_cpu  # noqa: F401 - before anything asks verl for its platform
 from verl import DataProto
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.metric import reduce_metrics
 from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
 from verl.workers.utils.losses import value_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
@@ -22,6 +24,10 @@ from ppo_critic import DataParallelPPOCritic, build_value_model
 from verl_shared import composed, hydra_value, params
 
 SGD = {"optim.optimizer": "SGD", "optim.weight_decay": 0.0, "optim.lr": 0.1}
+MEASURED = ("perf/", "mfu")  # the machine's measurements (memory, time): no layout reproduces them
+# every metric the engine reports is a property of the global mini-batches, whatever the layout: equal to fp32 rounding
+# of sums taken in another order
+METRICS = {"rel": 1e-5, "abs": 1e-6}
 
 
 def critic_config(model_dir: Path, **critic: object):
@@ -81,6 +87,20 @@ def train(worker: TrainingWorker, data: DataProto, mini_batch_size: int, epochs:
     )
     output = worker.train_mini_batch(batch)
     return None if output is None else tu.get(output, "metrics")
+
+
+def critic_metrics(metrics: dict | None) -> dict[str, float] | None:
+    """verl's metrics of one update reduced as its trainer reduces them, without the machine's measurements."""
+    if metrics is None:
+        return None
+    return {k: float(v) for k, v in reduce_metrics(dict(metrics)).items() if not k.startswith(MEASURED)}
+
+
+def assert_metrics_equal(got: dict[str, float], want: dict[str, float], name: str = "") -> None:
+    """The same keys, each value equal within `METRICS` (every mismatch named: key, got, want)."""
+    assert sorted(got) == sorted(want), name
+    differ = {k: (got[k], v) for k, v in want.items() if got[k] != pytest.approx(v, **METRICS)}
+    assert not differ, f"{name}: {differ}"
 
 
 def engine_params(worker: TrainingWorker) -> dict[str, torch.Tensor]:

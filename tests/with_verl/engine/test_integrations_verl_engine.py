@@ -12,7 +12,17 @@ import sys
 
 import pytest
 import torch
-from engine_helpers import SGD, critic_config, engine_params, infer_values, reference, train, training_worker
+from engine_helpers import (
+    SGD,
+    assert_metrics_equal,
+    critic_config,
+    critic_metrics,
+    engine_params,
+    infer_values,
+    reference,
+    train,
+    training_worker,
+)
 from verl.utils.metric import reduce_metrics
 from verl.workers.utils.losses import value_loss
 
@@ -122,6 +132,25 @@ def test_values_update_and_checkpoint_equal_ppo_critics_own(single_process, mode
     fresh = training_worker(model_dir, **SGD, **batching, **{"model.use_remove_padding": packed})
     fresh.load_checkpoint(str(tmp_path / "global_step_1" / "critic"))
     assert torch.equal(infer_values(fresh, data), after)
+
+
+def test_metrics_are_the_mini_batchs_whatever_the_micro_batches(single_process, model_dir):
+    """verl's value_loss reports per-micro-batch means; the engine reports each metric over the whole mini-batch
+    (token-weighted), so one row per micro-batch, the whole mini-batch at once and a token budget all read the same."""
+    data = rollout(8, seed=8)
+    layouts = {
+        "micro-1": {"+fsdp.use_dynamic_bsz": False, "+fsdp.micro_batch_size_per_gpu": 1},
+        # one micro-batch: verl's means are the mini-batch's
+        "micro-4": {"+fsdp.use_dynamic_bsz": False, "+fsdp.micro_batch_size_per_gpu": 4},
+        "token-budget": {"+fsdp.use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 24},
+    }
+    got = {
+        name: critic_metrics(train(training_worker(model_dir, **SGD, **batching), data, mini_batch_size=4, epochs=2))
+        for name, batching in layouts.items()
+    }
+    assert 0 < got["micro-4"]["critic/vf_clipfrac"] < 1  # the clipping is exercised
+    for name in ("micro-1", "token-budget"):
+        assert_metrics_equal(got[name], got["micro-4"], name)
 
 
 @pytest.mark.parametrize("mode", MODES)

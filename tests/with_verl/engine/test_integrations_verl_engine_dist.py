@@ -1,5 +1,6 @@
 """verl's TrainingWorker with ppo-critic's engine under torchrun (2 gloo processes): at DP=2 and at DP=1 × Ulysses 2
-the values, one update and a checkpoint round trip equal ppo-critic's own critic in one process."""
+the values, one update and a checkpoint round trip equal ppo-critic's own critic in one process, and every metric the
+engine reports equals the engine's own at DP=1 × SP=1 on the same global mini-batches."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import sys
 from pathlib import Path
 
 import torch
-from engine_helpers import reference
+from engine_helpers import SGD, assert_metrics_equal, critic_metrics, reference, train, training_worker
 from test_integrations_verl_engine import LAYOUT, VALUES, value_norm_reference
 
+from ppo_critic.config.env import OPTIONS_ENV
 from verl_shared import rel_change, rollout
 
 HERE = Path(__file__).resolve().parent
 
 
-def test_dp2_and_ulysses2_equal_one_process(single_process, model_dir, tmp_path):
+def test_dp2_and_ulysses2_equal_one_process(single_process, model_dir, tmp_path, monkeypatch):
     batch = rollout(16, seed=7)
     torch.save(batch, tmp_path / "batch.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path]), "OMP_NUM_THREADS": "1"}
@@ -36,13 +38,25 @@ def test_dp2_and_ulysses2_equal_one_process(single_process, model_dir, tmp_path)
         "dp2_popart": popart_reference(model_dir, batch, dp_order),
     }
     natural = torch.argsort(torch.tensor(dp_order))  # the DP reference's rows back in batch order
+    in_one = {"dp2": ("", dp_order), "dp1sp2": ("", list(range(16))), "dp2_popart": ("value_norm=popart", dp_order)}
     for name, got in results.items():
+        options, rows = in_one[name]
+        monkeypatch.setenv(OPTIONS_ENV, options)
+        assert_metrics_equal(got["metrics"], one_process_metrics(model_dir, batch.select_idxs(rows)), name)
         want = expected[name]
         rows = torch.arange(16) if name == "dp1sp2" else natural
         torch.testing.assert_close(got["values"], want["values"][rows], **VALUES, msg=name)
         assert rel_change(got["params"], want["after"], want["before"]) <= LAYOUT, name
         torch.testing.assert_close(got["values_after"], want["values_after"][rows], **VALUES, msg=name)
         assert torch.equal(got["values_loaded"], got["values_after"]), name  # verl's checkpoint calls, sharded
+
+
+def one_process_metrics(model_dir, batch) -> dict[str, float]:
+    """The engine's metrics in this one process (DP=1, SP=1) over the same global mini-batches of 8, one row per
+    micro-batch (under verl's default token budget the torchrun layouts run each rank's rows of one as one)."""
+    batching = {"+fsdp.use_dynamic_bsz": False, "+fsdp.micro_batch_size_per_gpu": 1}
+    worker = training_worker(model_dir, **SGD, **batching)
+    return critic_metrics(train(worker, batch, mini_batch_size=8))
 
 
 def popart_reference(model_dir, batch, dp_order: list[int]) -> dict:

@@ -1,8 +1,8 @@
 """Run under `torchrun --nproc_per_node=2` (gloo): verl's TrainingWorker with ppo-critic's engine at DP=2 (each rank
 on its chunk of the batch, as verl's dispatch sends it) and at DP=1 × Ulysses 2 (both ranks on the whole batch).
 
-argv: <model_dir> <batch.pt> <out.pt>. Rank 0 writes, per layout: the values before and after one update, the full
-parameters after it, and the values after a checkpoint round trip.
+argv: <model_dir> <batch.pt> <out.pt>. Rank 0 writes, per layout: the values before and after one update, the metrics
+verl's worker reports for it, the full parameters after it, and the values after a checkpoint round trip.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
-from engine_helpers import SGD, engine_params, infer_values, train, training_worker
+from engine_helpers import SGD, critic_metrics, engine_params, infer_values, train, training_worker
 
 from cuda_contract import check_collective_devices
 from ppo_critic.config.env import OPTIONS_ENV
@@ -48,7 +48,7 @@ def main() -> None:
         data = batch.chunk(world)[rank] if chunked else batch
         worker = training_worker(Path(model_dir), **SGD, **settings)
         out = {"values": values_of_all(worker, data, chunked)}
-        train(worker, data, mini_batch_size=8)
+        out["metrics"] = critic_metrics(train(worker, data, mini_batch_size=8))  # as rank 0 reports them
         out["params"] = engine_params(worker)
         out["values_after"] = values_of_all(worker, data, chunked)
         checkpoint = str(Path(out_path).parent / name / "global_step_1" / "critic")
