@@ -2,7 +2,8 @@
 tests run our CUDA dispatch branch itself (DESIGN §8). Never imported by the library.
 
 `check_collective_devices()` holds every tensor a torch.distributed collective is handed, inputs and outputs, to
-the devices its group's backend takes (NCCL: CUDA only), all on one device.
+the devices its group's backend takes (NCCL: CUDA only), all on one device; FSDP2's too where it would issue one,
+also at one rank, where it issues none.
 
 The varlen attention kernels (flash-attn's `flash_attn_varlen_func`, torch's `torch.nn.attention.varlen.varlen_attn`)
 take q [T, Hq, D] and k/v [T, Hkv, D] of one dtype, float16 or bfloat16, with a contiguous last dimension; int32
@@ -155,34 +156,68 @@ def check_collective_devices(monkeypatch=None) -> collections.Counter:
     """From now on in this process (in this test, given pytest's `monkeypatch`), a torch.distributed collective
     handed a tensor on a device its group's backend does not take, or tensors on two devices, raises `ContractError`;
     returns the count of checked calls by name (so a test can tell the check ran). Collectives called through
-    `torch.distributed`'s module attributes are seen: ours, FSDP's and DDP's Python side."""
+    `torch.distributed`'s module attributes are seen: ours, FSDP's and DDP's Python side. FSDP2 is also checked where
+    it chooses to communicate (`FSDP2_POINTS`), at any rank count: a one-rank run issues no collective at all (FSDP2
+    skips its own, the critic its), yet what a second rank would hand the backend is checked there."""
     counts: collections.Counter = collections.Counter()
     patch = setattr if monkeypatch is None else monkeypatch.setattr
     for name in (n for n in WATCHED if hasattr(dist, n)):
         patch(dist, name, _checked(getattr(dist, name), name, counts))
+    _check_fsdp2(patch, counts)
     return counts
 
 
-def _checked(collective, name: str, counts: collections.Counter):
+# Where FSDP2's parameter group chooses to communicate, on its `device` (offloaded shards are copied there first).
+# At one rank torch 2.11 returns from `unshard` before its all-gather and `foreach_reduce` copies the gradients
+# instead of reduce-scattering them; at more ranks they issue the all-gather and reduce-scatter seen above.
+FSDP2_POINTS = {"fsdp2_unshard", "fsdp2_foreach_reduce"}
+
+
+def _check_fsdp2(patch, counts: collections.Counter) -> None:
+    """Check the all-gather behind `FSDPParamGroup.unshard` (on the group's device) and the gradients and device
+    handed to `foreach_reduce`, against the backends of the groups FSDP2 would use."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp2
+    except ImportError:  # a torch without FSDP2
+        return
+    unshard = fsdp2.FSDPParamGroup.unshard
+
+    @functools.wraps(unshard)
+    def checked_unshard(self, *args, **kwargs):
+        _check("fsdp2_unshard", {self.device}, self._all_gather_process_group, counts)
+        return unshard(self, *args, **kwargs)
+
+    patch(fsdp2.FSDPParamGroup, "unshard", checked_unshard)
+    reduce = _checked(fsdp2.foreach_reduce, "fsdp2_foreach_reduce", counts, group="reduce_scatter_group")
+    patch(fsdp2, "foreach_reduce", reduce)
+
+
+def _checked(collective, name: str, counts: collections.Counter, group: str = "group"):
+    """`collective` checking the devices of its tensor (and `torch.device`) arguments against its `group` argument."""
     signature = inspect.signature(collective)
 
     @functools.wraps(collective)
     def call(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        tensors = [t for value in bound.arguments.values() for t in _tensors(value)]
-        served = served_device_types(bound.arguments.get("group"))
-        devices = {t.device for t in tensors}
-        if len(devices) > 1 or any(d.type not in served for d in devices):
-            raise ContractError(f"{name} was handed tensors on {sorted(map(str, devices))}; its backend takes {served}")
-        counts[name] += 1
+        devices = {d for value in bound.arguments.values() for d in _devices(value)}
+        _check(name, devices, bound.arguments.get(group), counts)
         return collective(*args, **kwargs)
 
     return call
 
 
-def _tensors(value) -> list[Tensor]:
+def _check(name: str, devices: set[torch.device], group, counts: collections.Counter) -> None:
+    served = served_device_types(group)
+    if len(devices) > 1 or any(d.type not in served for d in devices):
+        raise ContractError(f"{name} was handed tensors on {sorted(map(str, devices))}; its backend takes {served}")
+    counts[name] += 1
+
+
+def _devices(value) -> list[torch.device]:
     if isinstance(value, Tensor):
+        return [value.device]
+    if isinstance(value, torch.device):
         return [value]
     if isinstance(value, list | tuple):
-        return [t for item in value for t in _tensors(item)]
+        return [d for item in value for d in _devices(item)]
     return []

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from conftest import exported_values, make_batch, tiny_config
-from cuda_contract import check_collective_devices
+from cuda_contract import FSDP2_POINTS, ContractError, check_collective_devices
 from ppo_critic import CriticConfig, DataParallelPPOCritic
 from ppo_critic.parallel.mesh import BACKEND_CUDA
 from ppo_critic.worker import CriticWorker, worker_config
@@ -128,12 +128,16 @@ def test_offload_policy_on_a_cpu_run_names_the_key():
         CriticWorker(cfg, device="cpu")
 
 
-def cuda_group(backend: str) -> None:
-    """A one-rank process group of `backend` on this machine's GPU."""
+def one_rank_group(backend: str) -> None:
+    """A one-rank process group of `backend` on this machine."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
+def fsdp2_config(**fsdp_config) -> dict:
+    return {**LORA, "strategy": "fsdp2", "model": {"override_config": tiny_config("qwen2"), "fsdp_config": fsdp_config}}
 
 
 @pytest.mark.cuda
@@ -142,12 +146,10 @@ def test_fsdp2_cpu_offload_trains_on_cuda(monkeypatch):
     the CPU gradients): parameters (and so optimizer state) live on the CPU, the update still learns."""
     import torch.distributed as dist
 
-    cuda_group(BACKEND_CUDA)
+    one_rank_group(BACKEND_CUDA)
     try:
         checked = check_collective_devices(monkeypatch)
-        cfg = {**LORA, "strategy": "fsdp2", "model": {"override_config": tiny_config("qwen2")}}
-        cfg["model"]["fsdp_config"] = {"offload_policy": True}
-        worker = CriticWorker(cfg, device="cuda")
+        worker = CriticWorker(fsdp2_config(offload_policy=True), device="cuda")
         assert all(p.to_local().device.type == "cpu" for p in worker.model.parameters())
         batch = make_batch(8, 6, 5, seed=0)
         batch["returns"] = torch.ones(8, 5)
@@ -158,7 +160,32 @@ def test_fsdp2_cpu_offload_trains_on_cuda(monkeypatch):
             first = loss if first is None else first
         assert loss < first
         assert all(s.device.type == "cpu" for st in worker.optimizer.state.values() for s in st.values() if s.dim())
-        assert checked  # every collective of it on a device its backend takes (DESIGN §8)
+        # one rank issues no collective: FSDP2's would-be ones are checked where it skips them (DESIGN §8)
+        assert set(checked) >= FSDP2_POINTS
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "cuda:gloo"])
+def test_fsdp2_at_one_rank_has_the_tensors_it_would_hand_its_backend_checked(monkeypatch, backend):
+    """The CPU side of the test above: at one rank FSDP2 issues no collective, yet `check_collective_devices` checks
+    each all-gather and reduce-scatter it skips, and refuses CPU tensors under a group with no CPU backend (gloo
+    standing in for NCCL, for CUDA only), which a second rank would meet."""
+    import torch.distributed as dist
+
+    one_rank_group(backend)
+    try:
+        checked = check_collective_devices(monkeypatch)
+        worker = CriticWorker(fsdp2_config(), device="cpu")
+        batch = make_batch(8, 6, 5, seed=0)
+        if backend == "cuda:gloo":
+            with pytest.raises(ContractError, match=r"fsdp2_unshard was handed tensors on \['cpu'\]"):
+                worker.compute_values(batch)
+            return
+        batch["values"] = worker.compute_values(batch)
+        worker.update_critic(batch)
+        groups = len(worker.model.model.layers) + 1  # fully_shard per decoder layer, then the root
+        assert checked["fsdp2_foreach_reduce"] == groups and checked["fsdp2_unshard"] >= 2 * groups
     finally:
         dist.destroy_process_group()
 
@@ -168,12 +195,10 @@ def test_fsdp2_cpu_offload_under_an_nccl_only_group_is_our_error():
     """A group someone else started with NCCL alone cannot reduce the CPU gradients: said before anything runs."""
     import torch.distributed as dist
 
-    cuda_group("nccl")
+    one_rank_group("nccl")
     try:
-        cfg = {**LORA, "strategy": "fsdp2", "model": {"override_config": tiny_config("qwen2")}}
-        cfg["model"]["fsdp_config"] = {"offload_policy": True}
         with pytest.raises(ValueError, match="offload_policy=true needs a CPU backend in the process group"):
-            CriticWorker(cfg, device="cuda")
+            CriticWorker(fsdp2_config(offload_policy=True), device="cuda")
     finally:
         dist.destroy_process_group()
 
