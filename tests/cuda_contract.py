@@ -8,7 +8,8 @@ also at one rank, where it issues none.
 The varlen attention kernels (flash-attn's `flash_attn_varlen_func`, torch's `torch.nn.attention.varlen.varlen_attn`)
 take q [T, Hq, D] and k/v [T, Hkv, D] of one dtype, float16 or bfloat16, with a contiguous last dimension; int32
 `cu_seqlens` [N + 1] on q's device, 0 first and T last; Python-int maximum lengths that bound every sequence; GQA
-only when Hkv divides Hq (torch's kernel: only with `enable_gqa=True`). They return [T, Hq, D] in q's dtype.
+only when Hkv divides Hq (torch 2.13's `varlen_attn`: only with `enable_gqa=True`; torch 2.11's has no such flag
+and hands K/V to the same flash kernel as they are). They return [T, Hq, D] in q's dtype.
 """
 
 from __future__ import annotations
@@ -73,37 +74,61 @@ def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, scale: float |
 
 
 class Calls:
-    """Records every kernel call's dtype, so a test can tell that the kernel branch ran."""
+    """Records every kernel call's dtype and (query, key/value) head counts, so a test can tell that the kernel branch
+    ran and whether K/V reached it repeated."""
 
     def __init__(self):
         self.dtypes: list[torch.dtype] = []
+        self.heads: list[tuple[int, int]] = []
+
+    def record(self, q: Tensor, k: Tensor) -> None:
+        self.dtypes.append(q.dtype)
+        self.heads.append((q.shape[1], k.shape[1]))
 
 
-def torch_varlen_attn(calls: Calls, *, legacy: bool = False):
-    """A stand-in for torch's `varlen_attn`: causal by `window_size`, GQA by `enable_gqa` (torch 2.13), or with
-    `legacy` the older signature, causal by `is_causal` and no GQA."""
+def torch_varlen_attn(calls: Calls, signature: str = "2.13"):
+    """A stand-in for torch's `varlen_attn` with one of its signatures, exactly: "2.13" (causal by `window_size`, GQA
+    only with `enable_gqa=True`, which its Python wrapper checks), "2.11" (causal by `window_size`, no `enable_gqa`:
+    K/V go unchecked to the flash kernel, which takes any head count dividing Q's), or "older" (causal by `is_causal`,
+    no GQA)."""
 
-    def check_and_run(q, k, v, cu_q, cu_k, max_q, max_k, scale, gqa, causal):
-        check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k, gqa)
-        calls.dtypes.append(q.dtype)
-        return reference_varlen(q, k, v, cu_q, scale, causal)
-
-    if not legacy:
-
-        def varlen_attn(
-            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
-        ):
+    def run(q, k, v, cu_q, cu_k, max_q, max_k, scale, gqa, window_size=None, causal=False):
+        if window_size is not None:
             if tuple(window_size) not in ((-1, -1), (-1, 0)):
                 raise ContractError(f"window_size {window_size} is a sliding window")
             causal = tuple(window_size) == (-1, 0)
-            return check_and_run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, enable_gqa, causal)
+        check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k, gqa)
+        calls.record(q, k)
+        return reference_varlen(q, k, v, cu_q, scale, causal)
 
-        return varlen_attn
+    def varlen_attn_2_13(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        *,
+        return_aux=None,
+        scale=None,
+        window_size=(-1, -1),
+        enable_gqa=False,
+        seqused_k=None,
+        block_table=None,
+        num_splits=None,
+    ):
+        return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, enable_gqa, window_size)
 
-    def varlen_attn_old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, *, scale=None):
-        return check_and_run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, False, is_causal)
+    def varlen_attn_2_11(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+    ):
+        return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, True, window_size)
 
-    return varlen_attn_old
+    def varlen_attn_older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, *, scale=None):
+        return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, False, causal=is_causal)
+
+    return {"2.13": varlen_attn_2_13, "2.11": varlen_attn_2_11, "older": varlen_attn_older}[signature]
 
 
 def flash_attn_varlen_func(calls: Calls):
@@ -115,7 +140,7 @@ def flash_attn_varlen_func(calls: Calls):
         check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, gqa=True)
         if not isinstance(dropout_p, float):
             raise ContractError(f"dropout_p must be a float, got {dropout_p!r}")
-        calls.dtypes.append(q.dtype)
+        calls.record(q, k)
         return reference_varlen(q, k, v, cu_seqlens_q, softmax_scale, causal)
 
     return flash

@@ -3,6 +3,7 @@ model, and what `use_remove_padding=auto` checks (`packed_blocker`)."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import pytest
@@ -13,7 +14,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 from conftest import FP32_REORDERED, make_batch, tiny_config
-from cuda_contract import Calls, ContractError, flash_attn_varlen_func, opaque_kernel, torch_varlen_attn
+from cuda_contract import (
+    Calls,
+    ContractError,
+    flash_attn_varlen_func,
+    opaque_kernel,
+    reference_varlen,
+    torch_varlen_attn,
+)
 from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.models import attention
 from ppo_critic.models.attention import Buckets, bucket_shapes, packed_blocker, varlen_attention
@@ -205,11 +213,14 @@ def test_packed_blocker_needs_a_model_that_passes_kwargs_to_its_attention(monkey
 
 # The CUDA kernel branch of the varlen attention, run on the CPU through stand-ins of the CUDA kernels that enforce
 # their input contracts (tests/cuda_contract.py): our adapters around each kernel signature are the real ones.
+TORCH_SIGNATURES = ("2.13", "2.11", "older")
 KERNEL_DOUBLES = {
-    "torch varlen_attn": lambda calls: attention.torch_varlen_kernel(torch_varlen_attn(calls)),
-    "torch varlen_attn, older signature": lambda calls: attention.torch_varlen_kernel(
-        torch_varlen_attn(calls, legacy=True)
-    ),
+    **{
+        f"torch varlen_attn, {signature} signature": lambda calls, s=signature: attention.torch_varlen_kernel(
+            torch_varlen_attn(calls, s)
+        )
+        for signature in TORCH_SIGNATURES
+    },
     "flash-attn": lambda calls: attention.flash_kernel(flash_attn_varlen_func(calls)),
 }
 
@@ -284,9 +295,39 @@ def test_the_contract_stand_ins_refuse_what_the_kernels_refuse():
         torch_kernel(q, q, q, cu.long(), 6, None, 0.0, True)
     with pytest.raises(ContractError, match="max length"):
         torch_kernel(q, q, q, cu, 5, None, 0.0, True)
+    kv = q[:, :2]
     with pytest.raises(ContractError, match="GQA"):
-        torch_varlen_attn(calls, legacy=True)(q, q[:, :2], q[:, :2], cu, cu, 6, 6, True)
+        torch_varlen_attn(calls, "older")(q, kv, kv, cu, cu, 6, 6, True)
+    with pytest.raises(ContractError, match="GQA"):  # torch 2.13 wants enable_gqa=True
+        torch_varlen_attn(calls, "2.13")(q, kv, kv, cu, cu, 6, 6)
+    with pytest.raises(ContractError, match="4 query heads and 3 key/value heads"):  # 2.11: the flash kernel's rule
+        torch_varlen_attn(calls, "2.11")(q, q[:, :3], q[:, :3], cu, cu, 6, 6)
     assert calls.dtypes == []
+
+
+@pytest.mark.parametrize(("signature", "kv_heads"), [("2.13", 2), ("2.11", 2), ("older", 4)])
+def test_kv_heads_reach_the_torch_kernel_unrepeated_where_its_signature_allows(signature, kv_heads):
+    """Qwen2.5's 14 query / 2 key-value heads would copy K and V 7-fold before every attention call: torch 2.13 and
+    2.11 hand fewer K/V heads to the flash kernel (2.13 through `enable_gqa`); only the older signature repeats."""
+    calls = Calls()
+    q, kv, cu = torch.randn(9, 4, 16).bfloat16(), torch.randn(9, 2, 16).bfloat16(), cu_seqlens([4, 5])
+    out = attention.torch_varlen_kernel(torch_varlen_attn(calls, signature))(q, kv, kv, cu, 5, None, 0.0, True)
+    assert calls.heads == [(4, kv_heads)]
+    torch.testing.assert_close(out, reference_varlen(q, kv, kv, cu, None, True), rtol=0, atol=0)
+
+
+def test_the_torch_stand_in_has_this_torchs_varlen_attn_signature():
+    """The stand-in of the installed torch's signature is that signature (names, kinds, defaults): torch 2.13 here,
+    torch 2.11 in tests/with_gpu_stack (the GPU box's)."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    signature = torch.__version__[:4]
+    if signature not in TORCH_SIGNATURES:
+        pytest.skip(f"no stand-in of torch {torch.__version__}'s varlen_attn")
+
+    def shape(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert shape(torch_varlen_attn(Calls(), signature)) == shape(varlen.varlen_attn)
 
 
 def attend(q, k, v, cu, longest):

@@ -254,8 +254,12 @@ def flash_kernel(flash_attn_varlen_func: Callable) -> Kernel:
 
 def torch_varlen_kernel(varlen_attn: Callable) -> Kernel:
     """torch's `varlen_attn`, whichever signature this torch has: causal through `window_size=(-1, 0)` or
-    `is_causal`; GQA through `enable_gqa`, else K/V heads repeated."""
+    `is_causal`. GQA without copying K/V where the signature allows: the flash kernel underneath
+    (`aten::_flash_attention_forward` / `_backward`) takes any K/V head count dividing Q's; torch 2.13 asks for
+    `enable_gqa=True`, torch 2.11 (`window_size`, no `enable_gqa`) hands K/V to it unchecked, and only the older
+    `is_causal` signature (whose backend choice is not pinned here) gets K/V heads repeated."""
     params = frozenset(inspect.signature(varlen_attn).parameters)
+    repeat_kv = not params & {"enable_gqa", "window_size"}
 
     def call(q, k, v, cu, max_len, scale, dropout, causal):
         if dropout:
@@ -263,7 +267,7 @@ def torch_varlen_kernel(varlen_attn: Callable) -> Kernel:
         kwargs: dict[str, Any] = {"scale": scale}
         if q.shape[1] != k.shape[1] and "enable_gqa" in params:
             kwargs["enable_gqa"] = True
-        elif q.shape[1] != k.shape[1]:
+        elif q.shape[1] != k.shape[1] and repeat_kv:
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         if "window_size" in params:
             kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
