@@ -128,6 +128,20 @@ def test_engine_settings_it_cannot_honour_are_one_line_naming_each():
         engine_keys(MODEL, {"_target_": "verl.workers.config.engine.McoreEngineConfig"}, OPTIM)
 
 
+ULYSSES_UNPACKED = (
+    "critic.fsdp.ulysses_sequence_parallel_size=2 needs critic.model.use_remove_padding=true (Ulysses shards packed "
+    "sequences); set critic.model.use_remove_padding=true, or critic.fsdp.ulysses_sequence_parallel_size=1"
+)
+
+
+def test_ulysses_without_packing_is_one_line_naming_verls_keys():
+    ulysses = ENGINE | {"ulysses_sequence_parallel_size": 2}
+    with pytest.raises(ValueError) as error:
+        engine_keys(MODEL | {"use_remove_padding": False}, ulysses, OPTIM)
+    assert str(error.value) == ULYSSES_UNPACKED
+    assert engine_keys(MODEL | {"use_remove_padding": True}, ulysses, OPTIM).honoured["model.use_remove_padding"]
+
+
 @pytest.mark.parametrize(("dtype", "ours"), [("bfloat16", None), ("fp16", "float16"), ("float32", "float32")])
 def test_engine_section_is_what_the_engine_runs(dtype, ours):
     section = engine_section(MODEL, ENGINE | {"dtype": dtype}, OPTIM)

@@ -394,6 +394,7 @@ def engine_keys(model: Mapping, engine: Mapping, optim: Mapping) -> EngineKeys:
         for key, value in node.items():
             if key not in HYDRA_KEYS:
                 errors += _sort_key(f"{section}.{key}", value, keys)
+    errors += _conflicts(model, engine)
     if errors:
         raise ValueError(" | ".join(errors))
     return keys
@@ -413,6 +414,23 @@ def _sort_key(dotted: str, value: Any, keys: EngineKeys) -> list[str]:
             "remove it, or run verl's own engine (critic.strategy=fsdp2) for it"
         )
     return errors
+
+
+def _conflicts(model: Mapping, engine: Mapping) -> list[str]:
+    """The errors of settings that ppo-critic honours one by one but not together."""
+    return [error for error in (_unpacked_ulysses(model, engine),) if error]
+
+
+def _unpacked_ulysses(model: Mapping, engine: Mapping) -> str | None:
+    """Ulysses splits one packed row of a micro-batch's tokens over its ranks: it needs packing."""
+    sp_size = engine.get("ulysses_sequence_parallel_size") or 1
+    if sp_size == 1 or model.get("use_remove_padding") is not False:
+        return None
+    return (
+        f"critic.fsdp.ulysses_sequence_parallel_size={sp_size} needs critic.model.use_remove_padding=true (Ulysses "
+        "shards packed sequences); set critic.model.use_remove_padding=true, or "
+        "critic.fsdp.ulysses_sequence_parallel_size=1"
+    )
 
 
 def _engine_section(engine: Mapping) -> str:

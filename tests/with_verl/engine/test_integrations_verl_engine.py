@@ -110,6 +110,13 @@ def test_verls_config_is_read_as_verl_reads_it(model_dir, monkeypatch):
     assert fsdp_config["param_offload"] is True and fsdp_config["optimizer_offload"] is True
 
 
+def test_ulysses_without_packing_fails_building_the_engine_in_one_line(single_process, model_dir):
+    unpacked = {"fsdp.ulysses_sequence_parallel_size": 2, "model.use_remove_padding": False}
+    said = r"critic.fsdp.ulysses_sequence_parallel_size=2 needs critic.model.use_remove_padding=true \(Ulysses shards"
+    with pytest.raises(ValueError, match=rf"^{said} packed sequences\); set [^\n]*$"):
+        training_worker(model_dir, **unpacked)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("micro", [None, 2], ids=["token-budget", "micro-2"])
 def test_values_update_and_checkpoint_equal_ppo_critics_own(single_process, model_dir, tmp_path, packed, micro):
