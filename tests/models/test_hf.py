@@ -149,6 +149,32 @@ def test_local_causal_lm_checkpoint_gets_a_fresh_head(tmp_path):
     assert model.score.weight.abs().sum() == 0
 
 
+def test_a_head_we_initialise_or_load_raises_no_load_report(tmp_path, capfd):
+    """transformers' load report called the head MISSING ("newly initialized") and lm_head UNEXPECTED in every
+    `ppo-critic values` / `export` of a run built from a language model, for a head the critic then loads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = tiny_config("qwen2")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(tmp_path)
+    capfd.readouterr()
+    build_value_model(str(tmp_path))
+    err = capfd.readouterr().err
+    assert (
+        "MISSING" not in err and "LOAD REPORT" not in err and "not sharded" not in err and "Loading weights" not in err
+    )
+
+
+def test_a_checkpoint_without_backbone_weights_is_refused(tmp_path):
+    """A backbone weight the checkpoint lacks would be randomly initialised: values of an untrained layer."""
+    from safetensors.torch import load_file, save_file
+
+    build_value_model(tiny_config("qwen2")).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "layers.1.mlp" not in k}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks weights of the model's backbone \(model\.layers\.1\.mlp\.down_proj"):
+        build_value_model(str(tmp_path))
+
+
 def test_bad_sources_are_named():
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         build_value_model("/tmp/does-not-exist/critic")

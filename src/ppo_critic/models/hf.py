@@ -6,9 +6,11 @@ Every value model returns one scalar per token; `token_values` reads it from the
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,6 +22,8 @@ from ppo_critic.config.critic import DTYPES, HEAD_KINDS, VALUE_HEAD_INIT, VALUE_
 HEAD_NAMES = ("score", "classifier", "v_head", "value_head")
 VALUE_HEAD_FILE = "value_head.safetensors"  # the head of an exported generic critic, beside its backbone
 FROM_REWARD_MODEL = "from_reward_model:"
+# transformers' loggers of a load: the report, and the tensor-parallel plan check it runs once that report is quieted
+QUIET_LOGGERS = ("modeling_utils", "distributed.tensor_parallel", "integrations.tensor_parallel")
 # where a reward model keeps its scalar head: transformers' *ForSequenceClassification, TRL's value head, ours
 REWARD_HEAD_PREFIXES = ("score.", "v_head.summary.", "v_head.", "value_head.")
 
@@ -110,9 +114,11 @@ def build_value_model(
     auto_cls = _auto_class(config, head)
     param_dtype = _dtype(dtype, "dtype") or torch.float32
     if path is not None and _has_weights(path) and reward_model is None:
-        built, info = auto_cls.from_pretrained(
-            path, config=config, dtype=param_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
-        )
+        with quiet_load_report():
+            built, info = auto_cls.from_pretrained(
+                path, config=config, dtype=param_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+            )
+        check_backbone_loaded(path, info["missing_keys"])
         head_loaded = not any(k.split(".")[0] in HEAD_NAMES for k in info["missing_keys"])
     else:
         built = auto_cls.from_config(config, trust_remote_code=trust_remote_code).to(param_dtype)
@@ -130,6 +136,37 @@ def build_value_model(
     init = None if head_loaded else value_head_init
     _finish_head(built, None if init == "default" else init, head_dtype)
     return built
+
+
+@contextlib.contextmanager
+def quiet_load_report() -> Iterator[None]:
+    """Silence transformers' load report: it calls the value head MISSING ("newly initialized") although the head is
+    ours to initialise (`value_head_init`) or load (a checkpoint, `value_head.safetensors`), and calls a language
+    model's `lm_head` UNEXPECTED although a critic has none; a missing backbone weight is `check_backbone_loaded`'s."""
+    from transformers.utils import logging as hf_logging
+
+    logs = [logging.getLogger(f"transformers.{name}") for name in QUIET_LOGGERS]
+    levels = [log.level for log in logs]
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Loading weights" in every `values` / `export`
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def check_backbone_loaded(path: str, missing: list[str]) -> None:
+    """Every backbone weight must come from the checkpoint: a critic with randomly initialised layers would give
+    values of an untrained model without a word (only the value head may be missing: it is ours)."""
+    lost = sorted(k for k in missing if k.split(".")[0] not in HEAD_NAMES)
+    if lost:
+        shown = ", ".join(lost[:6]) + (f", ... ({len(lost)} in all)" if len(lost) > 6 else "")
+        raise ValueError(f"{path} lacks weights of the model's backbone ({shown}): its checkpoint is incomplete")
 
 
 def load_reward_model(critic: nn.Module, path: str | os.PathLike) -> None:
