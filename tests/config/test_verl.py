@@ -142,6 +142,44 @@ def test_ulysses_without_packing_is_one_line_naming_verls_keys():
     assert engine_keys(MODEL | {"use_remove_padding": True}, ulysses, OPTIM).honoured["model.use_remove_padding"]
 
 
+@pytest.mark.parametrize(
+    ("dtype", "mixed", "ours"),
+    [
+        ("bfloat16", {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}, "float32"),
+        ("bfloat16", {"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}, None),  # verl's default
+        ("bfloat16", {"param_dtype": "fp16", "reduce_dtype": "float32"}, "float16"),
+        ("float32", {"param_dtype": 32, "reduce_dtype": "32"}, "float32"),  # verl's PrecisionType spellings
+        ("float16", {"reduce_dtype": "fp32"}, "float16"),  # no param_dtype: critic.fsdp.dtype decides
+    ],
+)
+def test_mixed_precision_that_ppo_critic_computes_sets_the_compute_dtype(dtype, mixed, ours):
+    """verl's FSDP engine computes in `mixed_precision.param_dtype` (verl's default `dtype` bfloat16 gives way);
+    ppo-critic's FSDP2 policy gathers parameters in the compute dtype and reduces gradients in float32."""
+    keys = engine_keys(MODEL, ENGINE | {"dtype": dtype, "mixed_precision": mixed}, OPTIM)
+    assert keys.honoured["fsdp.mixed_precision"] == mixed
+    assert engine_section(MODEL, ENGINE | {"dtype": dtype, "mixed_precision": mixed}, OPTIM)["dtype"] == ours
+
+
+def test_mixed_precision_that_ppo_critic_cannot_compute_is_refused_naming_the_key():
+    mixed = {"param_dtype": "bf16", "reduce_dtype": "bf16", "buffer_dtype": "fp16"}
+    with pytest.raises(ValueError) as error:
+        engine_keys(MODEL, ENGINE | {"mixed_precision": mixed}, OPTIM)
+    assert str(error.value).split(" | ") == [
+        "critic.fsdp.mixed_precision.reduce_dtype='bf16' is not supported by the ppo_critic engine: ppo-critic reduces "
+        "gradients in float32; set fp32",
+        "critic.fsdp.mixed_precision.buffer_dtype='fp16' is not supported by the ppo_critic engine: ppo-critic keeps "
+        "buffers in float32; set fp32",
+    ]
+    with pytest.raises(ValueError, match=r"^critic.fsdp.mixed_precision=True is not supported .*: verl reads it as a"):
+        engine_keys(MODEL, ENGINE | {"mixed_precision": True}, OPTIM)
+    with pytest.raises(ValueError) as error:
+        engine_keys(MODEL, ENGINE | {"dtype": "float16", "mixed_precision": {"param_dtype": "fp32"}}, OPTIM)
+    assert str(error.value) == (
+        "critic.fsdp.mixed_precision.param_dtype='fp32' disagrees with critic.fsdp.dtype='float16' (both set the "
+        "compute dtype; verl's FSDP engine takes param_dtype); set critic.fsdp.dtype=float32, or remove param_dtype"
+    )
+
+
 @pytest.mark.parametrize(("dtype", "ours"), [("bfloat16", None), ("fp16", "float16"), ("float32", "float32")])
 def test_engine_section_is_what_the_engine_runs(dtype, ours):
     section = engine_section(MODEL, ENGINE | {"dtype": dtype}, OPTIM)

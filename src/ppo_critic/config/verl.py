@@ -305,7 +305,6 @@ ENGINE_FIELDS: dict[str, str] = {
     "fsdp.max_token_len_per_gpu": "ppo_max_token_len_per_gpu",
     "fsdp.infer_max_token_len_per_gpu": "forward_max_token_len_per_gpu",
     "fsdp.ulysses_sequence_parallel_size": "ulysses_sequence_parallel_size",
-    "fsdp.dtype": "dtype",
     "fsdp.param_offload": "model.fsdp_config.param_offload",
     "fsdp.optimizer_offload": "model.fsdp_config.optimizer_offload",
     "fsdp.offload_policy": "model.fsdp_config.offload_policy",
@@ -318,8 +317,9 @@ ENGINE_FIELDS: dict[str, str] = {
         )
     },
 }
-# taken over without a config field: the engine seeds its worker with it; verl copies grad_clip into clip_grad
-ENGINE_HONOURS = frozenset(ENGINE_FIELDS) | {"fsdp.seed", "optim.grad_clip"}
+# taken over without a config field of their own: the engine seeds its worker with fsdp.seed, verl copies grad_clip
+# into clip_grad, and dtype and mixed_precision make ppo-critic's compute dtype (`_compute_dtype`)
+ENGINE_HONOURS = frozenset(ENGINE_FIELDS) | {"fsdp.seed", "optim.grad_clip", "fsdp.dtype", "fsdp.mixed_precision"}
 # verl's engine dtype -> ppo-critic's (bfloat16: ppo-critic's default, bf16 autocast on CUDA and fp32 on CPU)
 ENGINE_DTYPES = {
     "bfloat16": None,
@@ -329,6 +329,9 @@ ENGINE_DTYPES = {
     "float32": "float32",
     "fp32": "float32",
 }
+# verl's spellings of `mixed_precision`'s dtypes (its PrecisionType) -> ppo-critic's compute dtype
+PRECISIONS = {**ENGINE_DTYPES, 16: "float16", "16": "float16", 32: "float32", "32": "float32"}
+FP32 = tuple(key for key, dtype in PRECISIONS.items() if dtype == "float32")
 # keys whose meaning ppo-critic cannot give unless they hold one of these values: -> (values, why and what to use)
 ENGINE_REFUSES: dict[str, tuple[tuple[Any, ...], str]] = {
     "fsdp.dtype": (tuple(ENGINE_DTYPES), "the engine computes in bfloat16, float16 or float32; use one of them"),
@@ -337,11 +340,9 @@ ENGINE_REFUSES: dict[str, tuple[tuple[Any, ...], str]] = {
         ("fp32", "float32", None),
         "ppo-critic keeps float32 parameters; set fp32 and pick the compute dtype with critic.fsdp.dtype",
     ),
-    "fsdp.mixed_precision": (
-        (None,),
-        "ppo-critic computes in critic.fsdp.dtype and reduces gradients in float32; "
-        "remove it and set critic.fsdp.dtype",
-    ),
+    "fsdp.mixed_precision.param_dtype": ((None, *PRECISIONS), "the engine computes in bf16, fp16 or fp32; use one"),
+    "fsdp.mixed_precision.reduce_dtype": ((None, *FP32), "ppo-critic reduces gradients in float32; set fp32"),
+    "fsdp.mixed_precision.buffer_dtype": ((None, *FP32), "ppo-critic keeps buffers in float32; set fp32"),
     "fsdp.full_determinism": ((False,), "ppo-critic does not switch torch to deterministic algorithms; set false"),
     "fsdp.qat.enable": ((False,), "quantization-aware training is not supported; set false"),
     "fsdp.router_replay.mode": (("disabled",), "MoE router replay is not supported; set disabled"),
@@ -417,8 +418,10 @@ def _sort_key(dotted: str, value: Any, keys: EngineKeys) -> list[str]:
 
 
 def _conflicts(model: Mapping, engine: Mapping) -> list[str]:
-    """The errors of settings that ppo-critic honours one by one but not together."""
-    return [error for error in (_unpacked_ulysses(model, engine),) if error]
+    """The errors no single key's rule finds: settings that ppo-critic honours one by one but not together, and a
+    `mixed_precision` that is not verl's mapping."""
+    found = (_unpacked_ulysses(model, engine), _dtype_conflict(engine), _precision_not_a_mapping(engine))
+    return [error for error in found if error]
 
 
 def _unpacked_ulysses(model: Mapping, engine: Mapping) -> str | None:
@@ -431,6 +434,44 @@ def _unpacked_ulysses(model: Mapping, engine: Mapping) -> str | None:
         "shards packed sequences); set critic.model.use_remove_padding=true, or "
         "critic.fsdp.ulysses_sequence_parallel_size=1"
     )
+
+
+def _dtype_conflict(engine: Mapping) -> str | None:
+    """`mixed_precision.param_dtype` and `dtype` both name the compute dtype: set, they must agree (verl's default
+    `dtype`, bfloat16, gives way, as in verl's FSDP engine, which computes in param_dtype)."""
+    param, dtype = _param_dtype(engine.get("mixed_precision")), engine.get("dtype")
+    if param not in tuple(PRECISIONS) or dtype not in tuple(ENGINE_DTYPES):
+        return None  # unset, or refused by its own rule
+    if ENGINE_DTYPES[dtype] in (None, PRECISIONS[param]):
+        return None
+    ours = PRECISIONS[param] or "bfloat16"
+    return (
+        f"critic.fsdp.mixed_precision.param_dtype={param!r} disagrees with critic.fsdp.dtype={dtype!r} (both set the "
+        f"compute dtype; verl's FSDP engine takes param_dtype); set critic.fsdp.dtype={ours}, or remove param_dtype"
+    )
+
+
+def _precision_not_a_mapping(engine: Mapping) -> str | None:
+    """verl's FSDP engine reads `mixed_precision` as a mapping of dtypes (or None)."""
+    mixed = engine.get("mixed_precision")
+    if mixed is None or isinstance(mixed, Mapping):
+        return None
+    return (
+        f"critic.fsdp.mixed_precision={mixed!r} is not supported by the ppo_critic engine: verl reads it as a mapping "
+        "(param_dtype, reduce_dtype, buffer_dtype); set those keys, or null"
+    )
+
+
+def _param_dtype(mixed_precision: Any) -> Any:
+    """`mixed_precision.param_dtype` of verl's engine config (None where unset)."""
+    return mixed_precision.get("param_dtype") if isinstance(mixed_precision, Mapping) else None
+
+
+def _compute_dtype(keys: Mapping[str, Any]) -> str | None:
+    """ppo-critic's compute dtype (None: its default) from the honoured keys: `fsdp.mixed_precision.param_dtype`
+    where set (verl's FSDP engine computes in it), else `fsdp.dtype`."""
+    param = _param_dtype(keys.get("fsdp.mixed_precision"))
+    return ENGINE_DTYPES.get(keys.get("fsdp.dtype")) if param is None else PRECISIONS[param]
 
 
 def _engine_section(engine: Mapping) -> str:
@@ -475,14 +516,13 @@ def engine_section(model: Mapping, engine: Mapping, optim: Mapping) -> dict:
     section: dict[str, Any] = {"strategy": "fsdp2", "model": {}, "optim": {}}
     for dotted in sorted(keys, key=lambda k: k == "model.local_path"):  # local_path last: it wins when set
         value = keys[dotted]
-        if dotted == "fsdp.dtype":
-            value = ENGINE_DTYPES[value]
-        elif value is None or dotted not in ENGINE_FIELDS:
+        if value is None or dotted not in ENGINE_FIELDS:
             continue  # unset: ppo-critic's default
         node = section
         *parents, leaf = ENGINE_FIELDS[dotted].split(".")
         for parent in parents:
             node = node.setdefault(parent, {})
         node[leaf] = value
+    section["dtype"] = _compute_dtype(keys)
     section["ppo_mini_batch_size"] = section.get("ppo_micro_batch_size_per_gpu") or 1
     return section

@@ -110,6 +110,19 @@ def test_verls_config_is_read_as_verl_reads_it(model_dir, monkeypatch):
     assert fsdp_config["param_offload"] is True and fsdp_config["optimizer_offload"] is True
 
 
+@pytest.mark.parametrize(
+    ("mixed", "dtype"),
+    [("{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}", "float32"), ("{param_dtype:bf16}", None)],
+)
+def test_verls_mixed_precision_sets_the_compute_dtype(model_dir, mixed, dtype):
+    """`+critic.fsdp.mixed_precision` as verl's hydra config and dataclass carry it (verl's yaml lacks the key)."""
+    verl = critic_config(model_dir, **{"+fsdp.mixed_precision": mixed})
+    assert engine_critic_config(verl.model, verl.engine, verl.optim).dtype == dtype
+    bf16_reduce = critic_config(model_dir, **{"+fsdp.mixed_precision": "{reduce_dtype:bf16}"})
+    with pytest.raises(ValueError, match=r"^critic.fsdp.mixed_precision.reduce_dtype='bf16' is not supported .*fp32$"):
+        engine_critic_config(bf16_reduce.model, bf16_reduce.engine, bf16_reduce.optim)
+
+
 def test_ulysses_without_packing_fails_building_the_engine_in_one_line(single_process, model_dir):
     unpacked = {"fsdp.ulysses_sequence_parallel_size": 2, "model.use_remove_padding": False}
     said = r"critic.fsdp.ulysses_sequence_parallel_size=2 needs critic.model.use_remove_padding=true \(Ulysses shards"
