@@ -132,25 +132,25 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     errors: dict[str, str] = {}
     workers = {}
     for path in cfg.path_list():
-        worker = _isolated(path, "building", lambda p=path: make_worker(cfg, p), errors, device)
+        worker = _isolated(path, "building", lambda p=path: make_worker(cfg, p), errors)
         if path not in errors:
-            workers[path] = worker
+            workers[path] = _keep_cache(worker)
     runs: dict[str, dict[str, list[float]]] = {p: {k: [] for k in KEYS} for p in workers}
     _write(cfg, _summary(cfg, device, batch, runs, errors, rounds=0))  # the build errors, even if nothing else ends
     for repeat in range(cfg.repeats + 1):  # the first round warms up and is not counted
         for path, worker in list(workers.items()):
             stage = "measuring" if repeat else "warming up"
-            sample = _isolated(path, stage, lambda w=worker: _measure(w, batch, device), errors, device)
+            sample = _isolated(path, stage, lambda w=worker: _measure(w, batch, device), errors)
             if path in errors:
                 del workers[path], runs[path], worker
-                _release(device)
+                gc.collect()
             elif repeat:
                 for key, value in sample.items():
                     runs[path][key].append(value)
         _write(cfg, _summary(cfg, device, batch, runs, errors, rounds=repeat))
     profiles, profile_errors = {}, {}
     for path, worker in workers.items() if cfg.profile else ():
-        ops = _isolated(path, "profiling", lambda w=worker: profile(w, batch, device), profile_errors, device)
+        ops = _isolated(path, "profiling", lambda w=worker: profile(w, batch, device), profile_errors)
         if path not in profile_errors:
             profiles[path] = ops
     summary = _summary(cfg, device, batch, runs, errors, rounds=cfg.repeats)
@@ -178,7 +178,7 @@ def _measure(worker: Any, batch: dict[str, Tensor], device: torch.device) -> dic
     }
 
 
-def _isolated(path: str, stage: str, fn: Callable[[], Any], errors: dict[str, str], device: torch.device) -> Any:
+def _isolated(path: str, stage: str, fn: Callable[[], Any], errors: dict[str, str]) -> Any:
     """`fn()`, or None with `errors[path]` set to one line (the traceback to stderr) when it raises: one path's
     failure (an OOM, a missing package, a kernel error) must not cost the other paths' numbers."""
     try:
@@ -188,15 +188,18 @@ def _isolated(path: str, stage: str, fn: Callable[[], Any], errors: dict[str, st
         traceback.print_exc()
         first = (str(err).strip().splitlines() or [""])[0]
         errors[path] = f"error: {type(err).__name__}: {first[:200]} (while {stage})"
-    _release(device)  # outside the except block: the traceback's frames, and the tensors they hold, are gone
+    gc.collect()  # outside the except block: the traceback's frames, and the tensors they hold, are gone
     return None
 
 
-def _release(device: torch.device) -> None:
-    """Give a failed path's memory back before the next path runs."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+def _keep_cache(worker: Any) -> Any:
+    """`worker` with its critic's release of the CUDA cache after each call turned off (the megatron critic's, as
+    verl's): an emptied cache makes the next measured call, of any path, pay fresh cudaMallocs. No path empties it in
+    the run; what a failed path held stays cached for the next (the allocator frees its cache itself before an OOM)."""
+    critic = getattr(worker, "critic", None)
+    if getattr(critic, "release_cache", False):
+        critic.release_cache = False
+    return worker
 
 
 def _summary(cfg: BenchConfig, device, batch, runs, errors, rounds: int) -> dict[str, Any]:

@@ -42,6 +42,11 @@ class MegatronPPOCritic(PPOCriticBase):
     optimizer). `model_config`, `hf_config` and `critic_optimizer_config` are accepted for verl compatibility.
     """
 
+    # verl's megatron critic empties the CUDA cache after every compute_values / update_critic, so that a rollout
+    # colocated in another process gets the memory back; this one does too unless this is False. The next call in
+    # the process then pays fresh cudaMallocs: `ppo-critic bench` turns it off for its measured calls.
+    release_cache: bool = True
+
     def __init__(
         self,
         config: Any,
@@ -249,7 +254,8 @@ class MegatronPPOCritic(PPOCriticBase):
         return self.critic_optimizer.param_groups[0]["lr"]
 
     def _release_cache(self) -> None:
-        if self.device.type == "cuda":
+        """Empty the CUDA caching allocator after a call, as verl's critic does (a no-op where CUDA never started)."""
+        if self.release_cache:
             torch.cuda.empty_cache()
 
 
