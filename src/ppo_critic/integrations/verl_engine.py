@@ -38,10 +38,10 @@ from ppo_critic.worker.build import Layout
 
 BACKEND = "ppo_critic"
 # ppo-critic options that verl decides under this engine (its worker cuts mini-batches, its loss is verl's), and what a
-# user does instead
+# user does instead: the first are keys of verl 0.9's critic config under the same names
 VERL_OWNED = ("ppo_mini_batch_size", "ppo_epochs", "shuffle", "data_loader_seed", "cliprange_value", "loss_agg_mode")
-VERL_DECIDES = dict.fromkeys((*VERL_OWNED, "loss_scale_factor"), "set it in verl's critic config") | dict.fromkeys(
-    ("vf_loss_type", "huber_delta"), "remove it: verl's value_loss is the clipped squared error"
+VERL_DECIDES = {key: f"set critic.{key} in verl's critic config" for key in (*VERL_OWNED, "loss_scale_factor")} | (
+    dict.fromkeys(("vf_loss_type", "huber_delta"), "remove it: verl's value_loss is the clipped squared error")
 )
 # verl's value_loss metrics that are means over a micro-batch's response tokens (`MiniBatchReport`)
 VPRED_MEAN = "critic/vpred_mean"
@@ -387,7 +387,7 @@ def dense_inputs(data: TensorDict, device: torch.device) -> Batch:
     its per-sample `multi_modal_inputs` when it has them, on `device`."""
     ids = data["input_ids"]
     lengths = ids.offsets().diff().long()
-    mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    mask = torch.arange(int(lengths.max()), device=lengths.device)[None, :] < lengths[:, None]
     tensors = {
         "attention_mask": mask.long(),
         "input_ids": padded(ids.values(), mask),

@@ -25,11 +25,12 @@ from engine_helpers import (
 )
 from verl.utils.metric import reduce_metrics
 from verl.workers.utils.losses import value_loss
+from verl.workers.utils.padding import left_right_2_no_padding
 
 from multimodal import add_images, tiny_qwen2_vl
 from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.config.env import OPTIONS_ENV
-from ppo_critic.integrations.verl_engine import engine_critic_config
+from ppo_critic.integrations.verl_engine import dense_inputs, engine_critic_config
 from ppo_critic.run.checkpoint import export_hf
 from verl_shared import MODES, params, rel_change, rollout, save_tiny_critic
 
@@ -102,12 +103,28 @@ def test_verls_config_is_read_as_verl_reads_it(model_dir, monkeypatch):
     monkeypatch.setenv(OPTIONS_ENV, "value_norm=popart")
     assert engine_critic_config(verl.model, engine, verl.optim).value_norm == "popart"
     monkeypatch.setenv(OPTIONS_ENV, "vf_loss_type=huber cliprange_value=0.2")  # verl's loss would never see them
-    with pytest.raises(ValueError, match=r"sets cliprange_value, vf_loss_type, which verl decides.*: set it"):
+    with pytest.raises(ValueError, match=r"sets cliprange_value, vf_loss_type, which verl decides.*: remove it:"):
         engine_critic_config(verl.model, engine, verl.optim)
     monkeypatch.delenv(OPTIONS_ENV)
     offload = critic_config(model_dir, **{"fsdp.param_offload": True, "fsdp.optimizer_offload": True})
     fsdp_config = engine_critic_config(offload.model, offload.engine, offload.optim).model.fsdp_config
     assert fsdp_config["param_offload"] is True and fsdp_config["optimizer_offload"] is True
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        *("ppo_mini_batch_size=8", "ppo_epochs=2", "shuffle=true data_loader_seed=3", "data_loader_seed=3"),
+        *("cliprange_value=0.2", "loss_agg_mode=seq-mean-token-mean", "loss_scale_factor=16"),
+    ],
+)
+def test_an_option_verl_decides_names_verls_key(model_dir, monkeypatch, option):
+    """Each is a key of verl 0.9's critic config (its trainer cuts the mini-batches, its value_loss reads the rest)."""
+    verl = critic_config(model_dir)
+    monkeypatch.setenv(OPTIONS_ENV, option)
+    key = option.split("=")[0]
+    with pytest.raises(ValueError, match=rf"; instead, {key}: set critic\.{key} in verl's critic config"):
+        engine_critic_config(verl.model, verl.engine, verl.optim)
 
 
 @pytest.mark.parametrize(
@@ -283,6 +300,17 @@ def test_value_norm_through_the_engine_is_ppo_critics_own(single_process, model_
     fresh = training_worker(model_dir, **SGD)
     fresh.load_checkpoint(str(tmp_path / "global_step_2" / "critic"))
     assert torch.equal(infer_values(fresh, second), values)
+
+
+def test_dense_inputs_are_built_on_the_datas_device():
+    """verl may hand the engine CUDA data while tensors made without a device land on the CPU: every tensor built
+    from the data is built on its device. Here the data is on the CPU and the default device is `meta`."""
+    data = left_right_2_no_padding(rollout(4, seed=9).to_tensordict())
+    with torch.device("meta"):
+        batch = dense_inputs(data, torch.device("cpu"))
+    mask = batch["attention_mask"].bool()
+    assert mask.device.type == "cpu" and torch.equal(batch["input_ids"][mask], data["input_ids"].values())
+    assert torch.equal(batch["position_ids"][mask], data["position_ids"].values())
 
 
 def vl_model_dir(path) -> tuple:
