@@ -1,5 +1,6 @@
 """bench/gpu/run.sh cannot waste a GPU minute: its dry run checks here that every step's command line parses and names
-the wheels still missing; bench/gpu/harness.py's wheel list, carry budget and table rows do what the scripts rely on."""
+the wheels still missing, each step's estimated cost fits its time box and the boxes the run's 8 minutes;
+bench/gpu/harness.py's wheel list, carry budget and table rows do what the scripts rely on."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "bench" / "gpu" / "run.sh"
-STEPS = ("env", "tests", "train", "bench", "verl")
+STEPS = ("env", "tests", "train", "bench", "compile", "verl")
 
 
 def _harness():
@@ -50,18 +52,65 @@ def dry_run(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Complete
     return result, rows
 
 
-def test_the_dry_run_checks_every_step_and_prints_the_table_last(tmp_path):
-    result, rows = dry_run(tmp_path, "--allow-missing-wheels")
+@pytest.fixture(scope="module")
+def full_dry_run(tmp_path_factory):
+    """One dry run of every step (a minute here: it collects the CUDA tests), shared by the tests that read it."""
+    tmp_path = tmp_path_factory.mktemp("dry")
+    return tmp_path, *dry_run(tmp_path, "--allow-missing-wheels")
+
+
+def test_the_dry_run_checks_every_step_and_prints_the_table_last(full_dry_run):
+    tmp_path, result, rows = full_dry_run
     assert result.returncode == 0, result.stdout + result.stderr
     for step in STEPS:
         assert f"\n-- {step}: " in result.stdout  # each step says what it runs
     assert list(rows) == [*STEPS, "total"]  # the table is the output's last lines
-    assert [rows[s][0] for s in STEPS] == ["ok", "ok", "ok", "ok", "skipped"]
+    assert [rows[s][0] for s in STEPS] == ["ok", "ok", "ok", "ok", "ok", "skipped"]
     assert re.fullmatch(r"would run \d+ tests \(of \d+ tests collected\) \(pytest exit 0\)", rows["tests"][2])
     assert int(rows["tests"][2].split()[2]) >= 10  # the CUDA tests are selected by their marker, in every file
-    assert rows["bench"][2] == "options parse (check=true exit 0)"
+    assert rows["bench"][2] == rows["compile"][2] == "options parse (check=true exit 0)"
     summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     assert summary == result.stdout.splitlines()[-len(summary) :]
+
+
+def test_each_step_fits_its_box_and_the_boxes_fit_the_run_with_what_the_script_adds():
+    """The estimates on the H200 (harness.STEPS, reasoned from each step's work) with BOX_MARGIN to spare in each box;
+    the boxes, a step killed past its box and the script's own work under 8 minutes."""
+    declared = re.search(r"^all_steps=(\S+)$", RUN.read_text(), re.M).group(1).split(",")
+    assert list(harness.STEPS) == declared == list(STEPS)  # a step of run.sh has a box and an estimate
+    for name, step in harness.STEPS.items():
+        assert step.estimate * harness.BOX_MARGIN <= step.box, name
+    assert harness.deadline() == sum(step.box for step in harness.STEPS.values())
+    assert harness.deadline() + harness.KILL_GRACE_S + harness.SCRIPT_S < harness.RUN_LIMIT_S == 480
+    boxes = dict(item.split("=") for item in harness.boxes_shell().split())
+    assert {k: int(v) for k, v in boxes.items() if k.startswith("T_")} == {
+        f"T_{n.upper()}": s.box for n, s in harness.STEPS.items()
+    }
+
+
+def test_the_estimates_count_the_work_the_commands_ask_for(full_dry_run):
+    """Each estimate counts what its step's command line holds: bench paths built and profiled, rounds, train steps,
+    CUDA tests (at most as many as it has room for): a path, a round or a test added to run.sh must be costed."""
+    _, result, rows = full_dry_run
+    assert "\n== the plan: estimated seconds on the H200 beside each step's time box\n" in result.stdout
+    for name, step in harness.STEPS.items():  # the plan shows every estimate beside its box
+        assert re.search(rf"^{name} +{step.estimate:.0f} +{step.box} ", result.stdout, re.M), name
+    for name in ("bench", "compile"):
+        command = re.search(rf"^-- {name}: (.*)$", result.stdout, re.M).group(1)
+        options = dict(o.split("=", 1) for o in command.split() if "=" in o)
+        paths, step = options["paths"].split(","), harness.STEPS[name]
+        assert step.counted("path") == len(paths), name
+        assert step.counted("round") == int(options["repeats"]) + 1, name  # and the warm-up round
+        assert step.counted("profile") == (len(paths) if options["profile"] == "true" else 0), name
+    train = re.search(r"trainer\.steps=(\d+)", result.stdout).group(1)
+    assert harness.STEPS["train"].counted("step") == int(train)
+    assert int(rows["tests"][2].split()[2]) <= harness.STEPS["tests"].counted("test")
+
+
+def test_what_the_run_brings_back_is_at_most_eight_files():
+    """A device call brings back at most 8 files from $OUT: every file run.sh writes there, named once."""
+    names = set(re.findall(r"\$out/([\w.]+)", RUN.read_text()))
+    assert len(names) <= 8, sorted(names)
 
 
 def test_a_command_that_does_not_parse_fails_the_dry_run_naming_its_step(tmp_path):
@@ -167,6 +216,14 @@ def test_the_rows_give_the_key_numbers(tmp_path):
         "values best 510k (packed+dyn) vs padded 200k (target >= 500k); partial: 2 of 3 rounds; "
         "errors: megatron (bench.json, bench.log)"
     )
+    compiled = tmp_path / "compile.json"  # the compile step's path beside the bench step's padded baseline
+    median = {"packed+dyn+fused+compile": {"update_critic": 160e3, "compute_values": 520e3}}
+    compiled.write_text(json.dumps({"median": median, "errors": {}, "rounds": 3, "config": {"repeats": 3}}))
+    assert harness.bench_row(compiled, baseline=bench) == (
+        "update best 160k (packed+dyn+fused+compile) vs padded 60k (target >= 150k); "
+        "values best 520k (packed+dyn+fused+compile) vs padded 200k (target >= 500k)"
+    )
+    assert harness.bench_row(compiled).startswith("update best 160k (packed+dyn+fused+compile) vs padded - ")
 
 
 def test_the_metadata_written_for_src_on_pythonpath_carries_the_verl_plugin(tmp_path):

@@ -1,5 +1,6 @@
 """The helpers of bench/gpu/run.sh and bench/gpu/fetch_wheels.sh: the wheel list (wheels.txt) and what is missing from
-.whl/, the carry budget, the import-only ray wheel, and the key numbers of each row of the run's table.
+.whl/, the carry budget, the import-only ray wheel, each step's time box and estimated cost (`STEPS`), and the key
+numbers of each row of the run's table.
 
 Standard library only: it runs on the GPU box before anything is installed, and here before any venv exists.
   python3 bench/gpu/harness.py list                     # group, requirement, how: one wheel a line
@@ -8,7 +9,9 @@ Standard library only: it runs on the GPU box before anything is installed, and 
   python3 bench/gpu/harness.py slim .whl                 # repack the import-only wheels (ray: no cluster daemons)
   python3 bench/gpu/harness.py budget .whl               # sizes; leaves out the groups over the carry limit
   python3 bench/gpu/harness.py dist-info TARGET          # ppo-critic's entry points, for code run from src/
-  python3 bench/gpu/harness.py row tests|train|bench|verl FILE  # the key numbers of a step's table row
+  python3 bench/gpu/harness.py plan                     # each step's estimated cost beside its time box
+  python3 bench/gpu/harness.py boxes                    # the time boxes, as shell assignments for run.sh
+  python3 bench/gpu/harness.py row tests|train|bench|compile|verl FILE  # the key numbers of a step's table row
 """
 
 from __future__ import annotations
@@ -37,6 +40,142 @@ SLIM_PREFIXES = ("ray/jars/",)
 SLIM_FILES = ("ray/core/src/ray/gcs/gcs_server", "ray/core/src/ray/raylet/raylet")
 SLIM_SUFFIXES = (".js.map",)
 UPDATE_TARGET, VALUES_TARGET = 150_000, 500_000  # issue 29's targets, valid tokens/s (physical limit ~370k / 1.1M)
+RUN_LIMIT_S = 480  # the whole run, under 8 minutes: the device time of a session is 15 minutes, start included
+KILL_GRACE_S = 5  # what a step past its box may add: `timeout -k 5` kills it 5 s after the SIGINT
+SCRIPT_S = 5  # run.sh's own work around the boxes: its harness calls between steps, the table
+BOX_MARGIN = 1.25  # each box holds its step's estimate with this much to spare
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A piece of a step's work on the H200 box (16 CPU cores): `count` times `each` seconds; `per` names what
+    `count` counts in the step's command line (path, round, profile, step, test), where it follows from it."""
+
+    what: str
+    each: float
+    count: int = 1
+    per: str = ""
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step of bench/gpu/run.sh: its time box (seconds), what it does, and its estimated cost."""
+
+    box: int
+    does: str
+    costs: tuple[Cost, ...]
+
+    @property
+    def estimate(self) -> float:
+        return sum(c.each * c.count for c in self.costs)
+
+    def counted(self, per: str) -> int:
+        return sum(c.count for c in self.costs if c.per == per)
+
+
+# Qwen2.5-0.5B in the bench: 358M non-embedding parameters, 32 rollouts of 512 + 1024 padded tokens at ~50 % fill
+# (49k tokens padded, ~25k valid); an update is ~2.5 GFLOP a padded token (forward + backward, attention included),
+# ~1.2e14 FLOPs padded: ~0.35 s at a third of the H200's ~990 TFLOP/s bf16, ~0.1 s for compute_values, half that
+# packed. torch.compile cold: no inductor or Triton cache on a fresh box; three graphs per model (the inference
+# forward, the training forward and backward), Triton kernels built on 16 workers.
+STEPS = {
+    "env": Step(
+        30,
+        "nvidia-smi, the carried wheels installed, versions probed",
+        (
+            Cost("nvidia-smi", 1),
+            Cost("pip install --no-deps of the main and megatron wheels (~4 MiB)", 6),
+            Cost("probe: import torch, transformers, triton, tensordict, megatron.core", 9),
+        ),
+    ),
+    "tests": Step(
+        135,
+        "every @pytest.mark.cuda test, in the files that hold one (found at run time)",
+        (
+            Cost("pytest start, collecting those ~12 files (imports torch, transformers, hypothesis)", 8),
+            Cost("CUDA context and cuBLAS, at the first CUDA test", 4),
+            Cost("cold torch.compile of the tiny packed layers (test_compile)", 30, 1, "test"),
+            Cost(
+                "torchrun: megatron TP=1/PP=1 against the data-parallel critic (start, imports, NCCL, run)",
+                25,
+                1,
+                "test",
+            ),
+            Cost(
+                "any other CUDA test (room for 26): tiny models, one-rank NCCL groups, dynamo traces", 1.5, 26, "test"
+            ),
+        ),
+    ),
+    "train": Step(
+        30,
+        "ppo-critic train, 50 steps on CUDA (the tiny default model, counting task)",
+        (
+            Cost("start: imports, CUDA context, the worker built", 8),
+            Cost("step: 192 rollouts, compute_values, GAE, update_critic (2 mini-batches)", 0.2, 50, "step"),
+            Cost("evaluation on 512 rollouts, every 10 steps", 0.6, 5),
+            Cost("checkpoint at the last step (DCP, hashed)", 1),
+        ),
+    ),
+    "bench": Step(
+        105,
+        "ppo-critic bench at the Qwen2.5-0.5B shape: padded, packed, +dyn, +fused, megatron, all resident; profiled",
+        (
+            Cost("start: imports torch, transformers", 6),
+            Cost("building a 0.5B path: 494M parameters initialised, moved to the GPU, optimizer", 6, 4, "path"),
+            Cost("building the megatron path: megatron-core, HF -> megatron weights, DDP, optimizer", 15, 1, "path"),
+            Cost("first calls of the warm-up round: cuBLAS, kernels loaded, the allocator growing", 5),
+            Cost(
+                "round: every path's compute_values and update_critic (~0.5 s padded, ~0.3 s packed)", 2.5, 4, "round"
+            ),
+            Cost("profiling one update of a path: CUPTI, the trace, its operator table", 4, 5, "profile"),
+        ),
+    ),
+    "compile": Step(
+        100,
+        "ppo-critic bench of packed+dyn+fused+compile at the same shape: the cold compile in a box of its own",
+        (
+            Cost("start: imports torch, transformers", 6),
+            Cost("building the 0.5B path", 6, 1, "path"),
+            Cost("cold torch.compile of the 0.5B decoder layer: inference, training forward and backward", 45),
+            Cost("round: the compiled path's compute_values and update_critic", 0.5, 4, "round"),
+            Cost("profiling one update", 5, 1, "profile"),
+        ),
+    ),
+    "verl": Step(
+        60,
+        "the verl 0.9.1 engine suite's CUDA tests (tests/with_verl/engine -m cuda)",
+        (
+            Cost("pip install --no-deps of the 35 verl wheels (~35 MiB; ray import-only)", 18),
+            Cost("pytest start, collecting the suite (imports verl, ray, datasets, transformers 5.10)", 12),
+            Cost("CUDA context and cuBLAS", 4),
+            Cost("a CUDA test: one process, a tiny model through verl's TrainingWorker", 4, 3, "test"),
+        ),
+    ),
+}
+
+
+def deadline() -> int:
+    """The seconds into the run by which every box has ended: the sum of the boxes."""
+    return sum(step.box for step in STEPS.values())
+
+
+def boxes_shell() -> str:
+    """The boxes as shell assignments for run.sh: T_ENV=30 ... DEADLINE=..."""
+    boxes = " ".join(f"T_{name.upper()}={step.box}" for name, step in STEPS.items())
+    return f"{boxes} DEADLINE={deadline()} KILL_GRACE={KILL_GRACE_S}"
+
+
+def plan_lines() -> list[str]:
+    """Each step's estimated cost on the H200 beside its time box, and what the run may take at most."""
+    lines = ["== the plan: estimated seconds on the H200 beside each step's time box", "step     estimate   box  does"]
+    lines += [f"{name:8} {step.estimate:8.0f} {step.box:5d}  {step.does}" for name, step in STEPS.items()]
+    most = deadline() + KILL_GRACE_S + SCRIPT_S
+    estimate = sum(step.estimate for step in STEPS.values())
+    lines.append(
+        f"{'total':8} {estimate:8.0f} {deadline():5d}  at most {most} s with a step killed past its box "
+        f"({KILL_GRACE_S} s) and the script's own work ({SCRIPT_S} s), of {RUN_LIMIT_S}"
+    )
+    return lines
 
 
 @dataclass(frozen=True)
@@ -237,27 +376,36 @@ def train_row(metrics: Path) -> str:
     return ", ".join(parts)
 
 
-def bench_row(path: Path) -> str:
-    """Update and compute_values valid tokens/s of the best path and of the padded baseline, against the targets."""
+def bench_row(path: Path, baseline: Path | None = None) -> str:
+    """Update and compute_values valid tokens/s of the best path and of the padded baseline, against the targets;
+    the baseline from `baseline` (the bench step's JSON: the same rollouts and weights) when `path` has none."""
     if not path.is_file():
         return f"no {path.name}"
     summary = json.loads(path.read_text())
     median, errors = summary.get("median", {}), summary.get("errors", {})
+    padded = median.get("padded") or _padded(baseline)
     parts = []
     targets = (("update_critic", "update", UPDATE_TARGET), ("compute_values", "values", VALUES_TARGET))
     for call, short, target in targets:
         if not median:
             break
         best = max(median, key=lambda p, c=call: median[p][c])
-        padded = f"{median['padded'][call] / 1e3:.0f}k" if "padded" in median else "-"
+        padded_k = f"{padded[call] / 1e3:.0f}k" if padded else "-"
         parts.append(
-            f"{short} best {median[best][call] / 1e3:.0f}k ({best}) vs padded {padded} (target >= {target // 1000}k)"
+            f"{short} best {median[best][call] / 1e3:.0f}k ({best}) vs padded {padded_k} (target >= {target // 1000}k)"
         )
     if summary.get("rounds") is not None and summary.get("rounds") != summary.get("config", {}).get("repeats"):
         parts.append(f"partial: {summary['rounds']} of {summary['config']['repeats']} rounds")
     if errors:
-        parts.append("errors: " + ", ".join(errors) + " (bench.json, bench.log)")
+        parts.append("errors: " + ", ".join(errors) + f" ({path.name}, {path.stem}.log)")
     return "; ".join(parts) or "no path measured"
+
+
+def _padded(path: Path | None) -> dict[str, float] | None:
+    """The padded baseline's medians in a bench JSON, if it has them."""
+    if path is None or not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("median", {}).get("padded")
 
 
 def _main(argv: list[str]) -> int:
@@ -273,8 +421,10 @@ def _main(argv: list[str]) -> int:
     skip.add_argument("group")
     sub.add_parser("slim").add_argument("folder", type=Path)
     sub.add_parser("dist-info").add_argument("target", type=Path)
+    sub.add_parser("plan")
+    sub.add_parser("boxes")
     row = sub.add_parser("row")
-    row.add_argument("step", choices=("tests", "train", "bench", "verl"))
+    row.add_argument("step", choices=("tests", "train", "bench", "compile", "verl"))
     row.add_argument("file", type=Path)
     args = parser.parse_args(argv)
     wheels = read_list()
@@ -307,8 +457,13 @@ def _main(argv: list[str]) -> int:
             )
             size, _ = tree_size(untracked=False)
         print("\n".join(budget(wheels, args.folder, size)))
+    elif args.command == "plan":
+        print("\n".join(plan_lines()))
+    elif args.command == "boxes":
+        print(boxes_shell())
     else:
         rows = {"tests": tests_row, "verl": tests_row, "train": train_row, "bench": bench_row}
+        rows["compile"] = lambda path: bench_row(path, baseline=path.with_name("bench.json"))
         print(rows[args.step](args.file))
     return 0
 

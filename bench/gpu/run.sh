@@ -5,22 +5,27 @@
 #   bash bench/gpu/run.sh --dry-run [--allow-missing-wheels]  # here, in seconds: every step's command line parses,
 #                                                             # and the wheels still missing from .whl/ are named
 #   bash bench/gpu/run.sh --steps bench,verl                  # only these steps (env always runs: it installs)
-# Steps, each isolated (a failing step never stops the others) and time-boxed (455 s in all, none past 465 s):
-#   env    GPU name/memory/driver, torch/transformers/triton versions, flash-attn; installs the carried wheels
-#   tests  every test marked @pytest.mark.cuda under tests/
-#   train  the main job on CUDA: ppo-critic train, 50 steps
-#   bench  ppo-critic bench: the lever matrix at the Qwen2.5-0.5B shape (bf16, 32 x (512 + 1024), ~50 % fill)
-#   verl   the verl 0.9.1 engine suite's CUDA tests (tests/with_verl/engine, -m cuda)
-# Options appended to a step's command: TESTS_EXTRA, TRAIN_EXTRA, BENCH_EXTRA, VERL_EXTRA (e.g. BENCH_EXTRA=repeats=5).
-# Logs: ${OUT:-/tmp/ppo-critic-gpu}/ (at most 8 files: what a device call brings back); scratch (installed wheels,
-# the run directory): ${WORK:-/tmp/ppo-critic-gpu-work}. Exit status: 0 when every step is ok (or skipped).
+# Steps, each isolated (a failing step never stops the others) and time-boxed; the boxes, and each step's estimated
+# cost on the H200 beside them, are bench/gpu/harness.py's STEPS (printed first: `python3 bench/gpu/harness.py plan`):
+#   env      GPU name/memory/driver, torch/transformers/triton versions, flash-attn; installs the carried wheels
+#   tests    every test marked @pytest.mark.cuda, in the files under tests/ that hold one (grep, at run time)
+#   train    the main job on CUDA: ppo-critic train, 50 steps
+#   bench    ppo-critic bench: the lever matrix at the Qwen2.5-0.5B shape (bf16, 32 x (512 + 1024), ~50 % fill)
+#   compile  ppo-critic bench of packed+dyn+fused+compile at that shape: its cold torch.compile in a box of its own
+#   verl     the verl 0.9.1 engine suite's CUDA tests (tests/with_verl/engine, -m cuda)
+# Options appended to a step's command: TESTS_EXTRA, TRAIN_EXTRA, BENCH_EXTRA, COMPILE_EXTRA, VERL_EXTRA (e.g.
+# BENCH_EXTRA=repeats=5). Logs: ${OUT:-/tmp/ppo-critic-gpu}/ (at most 8 files, what a device call brings back:
+# env.log, tests.log, train.log, bench.log (the compile step's too), bench.json, compile.json, verl.log,
+# summary.txt); scratch (installed wheels, the run directory): ${WORK:-/tmp/ppo-critic-gpu-work}. Exit status: 0
+# when every step is ok (or skipped).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 root=$PWD
-usage="usage: bash bench/gpu/run.sh [--dry-run] [--allow-missing-wheels] [--steps env,tests,train,bench,verl]"
+all_steps=env,tests,train,bench,compile,verl
+usage="usage: bash bench/gpu/run.sh [--dry-run] [--allow-missing-wheels] [--steps $all_steps]"
 dry=0
 allow_missing=0
-steps=env,tests,train,bench,verl
+steps=$all_steps
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
@@ -33,7 +38,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 for s in ${steps//,/ }; do
-  case "$s" in env | tests | train | bench | verl) ;; *) echo "unknown step '$s'; $usage" >&2; exit 2 ;; esac
+  case ",$all_steps," in *",$s,"*) ;; *) echo "unknown step '$s'; $usage" >&2; exit 2 ;; esac
 done
 [ "$dry" = 1 ] || steps="env,$steps"  # env installs what the other steps import
 
@@ -48,25 +53,34 @@ rows="$work/rows.tsv"
 : >"$rows"
 export PYTHONUNBUFFERED=1
 
-# time boxes in seconds: 30 + 135 + 45 + 160 + 85 = 455; and whatever a step overran (a kill 5 s after the SIGINT),
-# no box reaches past DEADLINE, so that the run ends before 8 minutes
-T_ENV=30 T_TESTS=135 T_TRAIN=45 T_BENCH=160 T_VERL=85
-DEADLINE=465
+# the time boxes in seconds (T_ENV ... T_VERL), DEADLINE (their sum) and KILL_GRACE, from harness.py's STEPS: whatever
+# a step overran (a kill KILL_GRACE s after the SIGINT), no box reaches past DEADLINE, so the run ends before 8 minutes
+boxes=$("$py" "$harness" boxes) || exit 2
+eval "$boxes"
 T_DRY=90  # each check of a dry run
 
 # the command line of each step, defined once: the run executes them, the dry run checks that they parse
 read -ra tests_extra <<<"${TESTS_EXTRA:-}"
 read -ra train_extra <<<"${TRAIN_EXTRA:-}"
 read -ra bench_extra <<<"${BENCH_EXTRA:-}"
+read -ra compile_extra <<<"${COMPILE_EXTRA:-}"
 read -ra verl_extra <<<"${VERL_EXTRA:-}"
-TESTS=(-m pytest -m cuda -q -rs -p no:cacheprovider tests "${tests_extra[@]}")
+# only the files that hold a CUDA test: collecting the whole tree (~1,400 tests) would cost the box seconds for
+# nothing; tests/with_verl/ is the verl step's
+mapfile -t cuda_files < <(grep -rlE --include='test_*.py' 'mark\.cuda' tests | grep -v '^tests/with_verl/' | sort)
+[ ${#cuda_files[@]} -gt 0 ] || cuda_files=(tests)
+TESTS=(-m pytest -m cuda -q -rs -p no:cacheprovider "${cuda_files[@]}" "${tests_extra[@]}")
 TRAIN=(-m ppo_critic train trainer.steps=50 trainer.device=cuda "trainer.run_dir=$work/train" trainer.resume=never
   trainer.progress=false trainer.log_every=10 "${train_extra[@]}")
 # the baseline, the packed path, then the levers of the performance issue one by one (+dyn: token-budget
-# micro-batches; +fused: fused AdamW; +compile: torch.compile per decoder layer), megatron TP=1; one profiled update each
+# micro-batches; +fused: fused AdamW), megatron TP=1; one profiled update each. The last lever (+compile: torch.compile
+# per decoder layer) is the compile step's, its cold compile in a box of its own; its row compares it with this
+# step's padded baseline (same rollouts, same weights)
 # shellcheck disable=SC2054  # the commas separate the paths of one option
-BENCH=(-m ppo_critic bench paths=padded,packed,packed+dyn,packed+dyn+fused,packed+dyn+fused+compile,megatron
+BENCH=(-m ppo_critic bench paths=padded,packed,packed+dyn,packed+dyn+fused,megatron
   device=cuda repeats=3 profile=true "out=$out/bench.json" "${bench_extra[@]}")
+COMPILE=(-m ppo_critic bench paths=packed+dyn+fused+compile device=cuda repeats=3 profile=true
+  "out=$out/compile.json" "${compile_extra[@]}")
 VERL_SUITE=tests/with_verl/engine
 vpy=$py  # the box runs the suite with its python3; here (--dry-run) it collects in the suite's own venv
 [ "$dry" = 1 ] && vpy=${VERL_PYTHON:-.venv-verl-0.9.1/bin/python}
@@ -87,7 +101,7 @@ boxed() {  # boxed SECONDS LOG CMD...: CMD under `timeout` (cut to the run's DEA
     echo "not run: the run's $DEADLINE s are spent" >>"$log"
     return 124
   fi
-  timeout -s INT -k 5 "$limit" "$@" >>"$log" 2>&1
+  timeout -s INT -k "$KILL_GRACE" "$limit" "$@" >>"$log" 2>&1
 }
 site_path() { echo "$root/src:$work/site/$1${PYTHONPATH:+:$PYTHONPATH}"; }
 missing_list() { "$py" "$harness" missing "$wheels"; }
@@ -190,31 +204,33 @@ step_train() {
   rm -rf "$work/train"
   PYTHONPATH=$(site_path main) boxed "$T_TRAIN" "$log" "$py" "${TRAIN[@]}"
   local rc=$?
-  cp "$work/train/metrics.jsonl" "$out/train_metrics.jsonl" 2>/dev/null
   row train "$(status_of $rc)" $((SECONDS - start)) \
     "$("$py" "$harness" row train "$work/train/metrics.jsonl")$(tail_error "$log" $rc)"
 }
 
-# ---- bench: the lever matrix ------------------------------------------------------------------------------------------
-step_bench() {
-  local log=$out/bench.log start=$SECONDS
-  : >"$log"
+# ---- bench and compile: the lever matrix -----------------------------------------------------------------------------
+bench_step() {  # bench_step STEP BOX JSON CMD...: one `ppo-critic bench` run into bench.log (compile appends), its row
+  local name=$1 box=$2 json=$3 log=$out/bench.log start=$SECONDS
+  shift 3
+  if [ "$name" = bench ] || ! wants bench; then : >"$log"; fi
   if [ "$dry" = 1 ]; then
-    PYTHONPATH=$(site_path main) boxed "$T_DRY" "$log" "$py" "${BENCH[@]}" check=true
+    PYTHONPATH=$(site_path main) boxed "$T_DRY" "$log" "$py" "$@" check=true
     local rc=$?
-    row bench "$(status_of $rc)" $((SECONDS - start)) "options parse (check=true exit $rc)$(tail_error "$log" $rc)"
+    row "$name" "$(status_of $rc)" $((SECONDS - start)) "options parse (check=true exit $rc)$(tail_error "$log" $rc)"
     return
   fi
-  rm -f "$out/bench.json"
-  PYTHONPATH=$(site_path main) boxed "$T_BENCH" "$log" "$py" "${BENCH[@]}"
+  rm -f "$json"
+  PYTHONPATH=$(site_path main) boxed "$box" "$log" "$py" "$@"
   local rc=$?
   local status key
   status=$(status_of $rc)
-  key=$("$py" "$harness" row bench "$out/bench.json")
+  key=$("$py" "$harness" row "$name" "$json")
   [ "$status" = ok ] && [[ "$key" == *"errors: "* ]] && status=FAIL  # a path failed; the others still measured
   [ $rc -eq 124 ] || [ $rc -eq 137 ] || key="$key$(tail_error "$log" $rc)"
-  row bench "$status" $((SECONDS - start)) "$key"
+  row "$name" "$status" $((SECONDS - start)) "$key"
 }
+step_bench() { bench_step bench "$T_BENCH" "$out/bench.json" "${BENCH[@]}"; }
+step_compile() { bench_step compile "$T_COMPILE" "$out/compile.json" "${COMPILE[@]}"; }
 
 # ---- verl: the verl 0.9.1 engine suite ------------------------------------------------------------------------------
 step_verl() {
@@ -237,7 +253,7 @@ step_verl() {
     row verl skipped 0 "$skip"
     return
   fi
-  if ! install_group $((T_VERL / 3)) "$log" verl verl; then
+  if ! install_group $((T_VERL / 2)) "$log" verl verl; then
     row verl FAIL $((SECONDS - start)) "installing the verl wheels failed$(tail_error "$log" 1)"
     return
   fi
@@ -267,12 +283,14 @@ if [ "$dry" = 1 ]; then
     while read -r line; do echo "  $line"; done <<<"$absent"
   fi
 fi
-for s in env tests train bench verl; do
+"$py" "$harness" plan
+for s in ${all_steps//,/ }; do
   wants "$s" || continue
   case "$s" in
     tests) echo "-- tests: $py ${TESTS[*]}" ;;
     train) echo "-- train: $py ${TRAIN[*]}" ;;
     bench) echo "-- bench: $py ${BENCH[*]}" ;;
+    compile) echo "-- compile: $py ${COMPILE[*]}" ;;
     verl) echo "-- verl: PPO_CRITIC_VERL_SUITE=$VERL_SUITE $vpy ${VERL[*]} -m cuda" ;;
     env) echo "-- env: nvidia-smi, versions, the wheels of $wheels/ into $work/site/" ;;
   esac
@@ -283,12 +301,12 @@ done
 {
   echo "== bench/gpu/run.sh$([ "$dry" = 1 ] && echo " --dry-run"): logs in $out;" \
     "targets (valid tokens/s): update >= 150k, compute_values >= 500k"
-  printf '%-6s %-8s %7s  %s\n' step status seconds "key numbers"
+  printf '%-7s %-8s %7s  %s\n' step status seconds "key numbers"
   total=0
   while IFS=$'\t' read -r name status seconds key; do
-    printf '%-6s %-8s %7s  %s\n' "$name" "$status" "$seconds" "$key"
+    printf '%-7s %-8s %7s  %s\n' "$name" "$status" "$seconds" "$key"
     total=$((total + seconds))
   done <"$rows"
-  printf '%-6s %-8s %7s\n' total "" "$total"
+  printf '%-7s %-8s %7s\n' total "" "$total"
 } | tee "$out/summary.txt"
 ! cut -f2 "$rows" | grep -qvE '^(ok|skipped)$'
