@@ -285,6 +285,7 @@ def test_value_norm_through_the_engine_is_ppo_critics_own(single_process, model_
         data.batch["returns"] = data.batch["returns"] * 3 + 2  # statistics far from μ = 0, σ = 1
     worker = training_worker(model_dir, **SGD)
     for data in (first, second):
+        served = infer_values(worker, data)
         metrics = train(worker, data, mini_batch_size=4)
     halves = [d.select_idxs(rows) for d in (first, second) for rows in (list(range(4)), list(range(4, 8)))]
     expected = value_norm_reference(model_dir, halves, mode, probe=second)
@@ -293,6 +294,9 @@ def test_value_norm_through_the_engine_is_ppo_critics_own(single_process, model_
     # the same float64 sums merged in the same order: equal to float64 rounding
     torch.testing.assert_close((norm.mean.cpu(), norm.std.cpu()), expected["stats"], rtol=1e-12, atol=0)
     assert metrics["critic/value_norm_std"][-1] == pytest.approx(float(expected["stats"][1]), rel=1e-12)
+    if mode == "popart":  # the raw predictions stay when the statistics move: the first step's are those served
+        mask = second.batch["response_mask"][:4].bool()
+        assert metrics["critic/vpred_mean"][0] == pytest.approx(float(served[:4][mask].mean()), rel=1e-5)
     values = infer_values(worker, second)
     torch.testing.assert_close(values, expected["values_after"], **VALUES)
     assert values[second.batch["response_mask"].bool()].mean() > 1  # raw values: de-normalised (μ ≈ 2)
