@@ -157,6 +157,28 @@ def test_index_with_list_non_tensor():
     assert torch.equal(sub["input_ids"], data["input_ids"][[1, 1, 2]])
 
 
+@pytest.mark.parametrize("rows", [[1, 2], [0, 1, 2], [2, 0], [1, 1], [-1], [-2, -1], [], [2, 1, 0]])
+def test_index_slices_consecutive_rows_and_gathers_others_the_same(rows):
+    """A run of consecutive rows is a view (nothing copied, no index tensor to move), other rows are gathered: the
+    rows are those of tensor indexing either way."""
+    batch = Batch.from_any(make_tensors())
+    sub = batch.index(rows)
+    for k, v in batch.tensors.items():
+        assert torch.equal(sub[k], v[torch.tensor(rows, dtype=torch.long)])
+    assert (sub["input_ids"]._base is not None) == (rows in ([1, 2], [0, 1, 2]))
+
+
+def test_lengths_read_once_are_carried_by_select_to_index_and_split():
+    """The attended tokens per row, on the host: micro-batching and packing read them without touching the mask."""
+    batch = Batch.from_any(make_tensors())
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    assert batch.lengths() == lengths and batch.seq_lens is None  # read, not kept: the caller's batch is unchanged
+    batch = batch.with_lengths()
+    assert batch.seq_lens == lengths and batch.with_lengths() is batch
+    assert batch.select(["input_ids"]).to("cpu").index(torch.tensor([2, 0])).seq_lens == [lengths[2], lengths[0]]
+    assert [p.seq_lens for p in batch.split(2)] == [lengths[:2], lengths[2:]]
+
+
 def test_split_keeps_rows_aligned():
     tensors = make_tensors()
     batch = Batch.from_any(FakeDataProto(TensorDict(tensors, batch_size=[B]), make_non_tensors(), {"m": 2}))

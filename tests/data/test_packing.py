@@ -32,6 +32,27 @@ def test_pack_then_unpack_is_the_identity_on_valid_tokens(b, t, data):
 
 
 @settings(max_examples=50, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 9), st.integers(1, 4), st.data())
+def test_host_lengths_give_the_same_packing_and_ulysses_pads_it(b, t, sp, data):
+    """`lengths` (`Batch.lengths()`) only spare the reads of the mask: the same row, bounds and token positions as
+    `nonzero`'s. For `sp` Ulysses ranks the row is padded to a multiple of sp, the padding a sequence of its own."""
+    mask = torch.tensor(
+        data.draw(st.lists(st.lists(st.integers(0, 1), min_size=t, max_size=t), min_size=b, max_size=b))
+    )
+    ids = torch.arange(b * t).view(b, t)
+    read, given = pack(ids, mask, ids), pack(ids, mask, ids, mask.sum(-1).tolist())
+    assert torch.equal(given.indices, mask.flatten().nonzero().squeeze(1))
+    for key in ("input_ids", "position_ids", "cu_seqlens", "indices"):
+        assert torch.equal(getattr(read, key), getattr(given, key))
+    assert read.max_seqlen == given.max_seqlen == int(mask.sum(-1).max()) and type(given.max_seqlen) is int
+    nnz, pad = int(mask.sum()), -int(mask.sum()) % sp
+    ranks = [given.model_kwargs(sp, r) for r in range(sp)]
+    bounds = ranks[0]["cu_seq_lens_q"]
+    assert bounds.dtype == torch.int32 and bounds.tolist() == read.cu_seqlens.tolist() + ([nnz + pad] if pad else [])
+    assert torch.equal(torch.cat([k["input_ids"] for k in ranks], 1)[:, :nnz], given.input_ids)
+
+
+@settings(max_examples=50, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 9), st.data())
 def test_compact_moves_valid_tokens_first_and_expand_undoes_it(b, t, data):
     mask = torch.tensor(

@@ -4,6 +4,7 @@ loss denominators, micro-batch agreement over data-parallel ranks, metric accumu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 import time
@@ -21,7 +22,7 @@ from ppo_critic.critics.ema import ParameterEMA
 from ppo_critic.critics.perf import ModelShape, PhaseTimer, perf_metrics
 from ppo_critic.critics.value_norm import ValueNormalizer
 from ppo_critic.data.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
-from ppo_critic.data.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_indices
+from ppo_critic.data.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_rows
 from ppo_critic.parallel import collectives
 
 UPDATE_KEYS = (*MODEL_KEYS, "response_mask", *TARGET_KEYS, MULTI_MODAL)
@@ -48,7 +49,7 @@ def empty_mini_batch(batch: Batch) -> Batch:
     """A stand-in mini-batch with no valid tokens (row 0, its response mask zeroed): it contributes nothing to the
     loss, the gradient or the counts, but runs the forward/backward and collectives of a real one."""
     row = batch.index([0])
-    return Batch(row.tensors | {"response_mask": torch.zeros_like(row.response_mask)}, row.non_tensors, row.meta_info)
+    return dataclasses.replace(row, tensors=row.tensors | {"response_mask": torch.zeros_like(row.response_mask)})
 
 
 def local_loss_denominators(response_mask: Tensor) -> dict[str, Tensor]:
@@ -86,13 +87,14 @@ class UpdateMetrics:
         reduce: Callable[[Tensor, str], Tensor],
         perf: Perf,
     ) -> dict[str, float]:
-        """The metrics of DESIGN §3, identical on every rank: sums and extrema go through `reduce` (over DP)."""
+        """The metrics of DESIGN §3, identical on every rank: sums and extrema go through `reduce` (over DP); one
+        host sync reads them all."""
         norms = torch.stack(self.grad_norms)  # global norms: the same on every rank
         finite = torch.isfinite(norms)
         mask = batch.response_mask.bool()
         values, returns = batch["values"].double(), batch["returns"].double()
         err = returns - values
-        big = torch.tensor(torch.finfo(torch.float64).max, dtype=torch.float64, device=values.device)
+        big, device = torch.finfo(torch.float64).max, values.device
         sums = reduce(
             torch.stack(
                 [
@@ -103,15 +105,17 @@ class UpdateMetrics:
                     *(torch.where(mask, x, 0.0).sum() for x in (values, returns, returns**2, err, err**2)),
                     mask.sum().double(),
                     batch["attention_mask"].sum().double() * epochs,
-                    torch.tensor(3 * perf.forward_flops(batch) * epochs, dtype=torch.float64, device=values.device),
+                    torch.full((), 3 * perf.forward_flops(batch) * epochs, dtype=torch.float64, device=device),
                 ]
             ),
             "sum",
         )
-        extrema = reduce(
-            torch.stack([torch.where(mask, values, big).min(), -torch.where(mask, values, -big).max()]), "min"
-        )
-        step_loss, tokens, clipped, vpred, v_sum, r_sum, r_sq, e_sum, e_sq, count, seen, flops = sums.tolist()
+        least = [torch.where(mask, values, big).min(), -torch.where(mask, values, -big).max()]
+        least = reduce(torch.stack([*least, torch.full((), -elapsed_s, dtype=torch.float64, device=device)]), "min")
+        mean_norm = torch.where(finite, norms, 0.0).sum() / finite.sum().clamp(min=1)
+        read = torch.cat([sums, least, torch.stack([mean_norm, (~finite).sum().double()])]).tolist()
+        step_loss, tokens, clipped, vpred, v_sum, r_sum, r_sq, e_sum, e_sq, count, seen, flops = read[:12]
+        v_min, minus_v_max, minus_slowest, grad_norm, skipped = read[12:]
         n, t = max(count, 1.0), max(tokens, 1.0)
         var_returns = r_sq / n - (r_sum / n) ** 2
         var_err = e_sq / n - (e_sum / n) ** 2
@@ -121,16 +125,15 @@ class UpdateMetrics:
             "critic/vf_loss": step_loss / len(self.step_losses),
             "critic/vf_clipfrac": clipped / t,
             "critic/vpred_mean": vpred / t,
-            "critic/grad_norm": float(torch.where(finite, norms, 0.0).sum() / finite.sum().clamp(min=1)),
-            "critic/skipped_steps": float((~finite).sum()),
+            "critic/grad_norm": grad_norm,
+            "critic/skipped_steps": skipped,
             "critic/vf_explained_var": 1 - var_err / var_returns if defined else 0.0,
             "critic/values_mean": v_sum / n,
-            "critic/values_min": 0.0 if empty else extrema[0].item(),
-            "critic/values_max": 0.0 if empty else -extrema[1].item(),
+            "critic/values_min": 0.0 if empty else v_min,
+            "critic/values_max": 0.0 if empty else -minus_v_max,
             "critic/lr": float(lr),
         }
-        slowest = float(reduce(torch.tensor(elapsed_s, device=values.device), "max"))
-        return metrics | perf.metrics("", self.timer.seconds(), slowest, seen, flops)
+        return metrics | perf.metrics("", self.timer.seconds(), -minus_slowest, seen, flops)
 
 
 @dataclass
@@ -144,7 +147,7 @@ class Perf:
     dtype: torch.dtype
 
     def forward_flops(self, batch: Batch) -> float:
-        return 0.0 if self.shape is None else self.shape.forward_flops(batch["attention_mask"].sum(-1))
+        return 0.0 if self.shape is None else self.shape.forward_flops(torch.tensor(batch.lengths()))  # on the host
 
     def metrics(self, prefix: str, seconds: dict, elapsed_s: float, tokens: float, flops: float) -> dict[str, float]:
         flops_or_none = None if self.shape is None else flops
@@ -191,14 +194,15 @@ class PPOCriticBase:
         max_token_len = meta_setting(batch.meta_info, "max_token_len", self.sizes.forward_max_token_len, int)
         max_token_len *= self.sp_size
         start = time.perf_counter()
-        batch = batch.select((*MODEL_KEYS, "response_mask", MULTI_MODAL)).to(self.device, non_blocking=True)
+        batch = batch.select((*MODEL_KEYS, "response_mask", MULTI_MODAL)).with_lengths()  # read where it arrives
+        batch = batch.to(self.device, non_blocking=True)
         groups = self.micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
         self.set_training(False)
         with self.averaged_weights():
             values = self.value_norm.denormalise(self._values(batch, groups))
         values = torch.where(batch.response_mask.bool(), values, 0.0).float().cpu()
         replica = self.perf.world_size // self.dp_size  # this rank's share of the devices: the replica's
-        tokens, flops = float(batch["attention_mask"].sum()), self.perf.forward_flops(batch)
+        tokens, flops = float(sum(batch.lengths())), self.perf.forward_flops(batch)
         local = Perf(self.perf.shape, replica, self.perf.device, self.perf.dtype)
         self.last_compute_metrics = local.metrics("compute_values_", {}, time.perf_counter() - start, tokens, flops)
         return values
@@ -214,19 +218,19 @@ class PPOCriticBase:
         self.check_token_ids(batch)
         self._check_batch(batch)
         max_token_len = self.sizes.max_token_len * self.sp_size
+        batch = batch.select(UPDATE_KEYS).with_lengths()  # read where it arrives, then carried to its mini-batches
         if cfg.use_dynamic_bsz:
-            check_token_budget(batch["attention_mask"].sum(-1), max_token_len)
-        batch = batch.select(UPDATE_KEYS).to(self.device, non_blocking=True)
+            check_token_budget(batch.lengths(), max_token_len)
+        batch = batch.to(self.device, non_blocking=True)
         targets = self._normalised_targets(batch)
         # every DP rank takes the same number of steps: a rank whose share ran out of rows (a short last
         # mini-batch) steps with an empty mini-batch, so the collectives of the others are matched
-        local_steps = math.ceil(len(batch) / self.sizes.mini_batch)
-        steps = int(self.all_reduce(torch.tensor(local_steps, device=self.device), "max"))
+        steps = self.most_over_ranks(math.ceil(len(batch) / self.sizes.mini_batch))
         metrics = UpdateMetrics(self.device)
         self.set_training(True)
         start = time.perf_counter()
         for epoch in range(cfg.ppo_epochs):
-            minis = mini_batch_indices(
+            minis = mini_batch_rows(
                 len(batch), self.sizes.mini_batch, shuffle=cfg.shuffle, seed=cfg.data_loader_seed, epoch=epoch
             )
             for rows in minis:
@@ -247,7 +251,7 @@ class PPOCriticBase:
             "returns": norm.normalise(batch["returns"]),
             "values": norm.normalise_old_values(batch["values"], served),
         }
-        return Batch(batch.tensors | targets, batch.non_tensors, batch.meta_info)
+        return dataclasses.replace(batch, tensors=batch.tensors | targets)
 
     def _metrics(self, metrics: UpdateMetrics, batch: Batch, elapsed_s: float) -> dict[str, float]:
         """`critic/*` in raw return space (the loss excepted: it is in normalised space under `value_norm`)."""
@@ -339,7 +343,11 @@ class PPOCriticBase:
 
     def _loss_is_finite(self, step_loss: Tensor) -> bool:
         """Whether the step's loss is finite on every data-parallel rank (all ranks then skip together)."""
-        return bool(torch.isfinite(self.all_reduce(step_loss.detach().double())).all())
+        return bool(self._loss_finite_everywhere(step_loss))
+
+    def _loss_finite_everywhere(self, step_loss: Tensor) -> Tensor:
+        """`_loss_is_finite` as a device bool, for a caller that reads it with the gradient norm (one host sync)."""
+        return torch.isfinite(self.all_reduce(step_loss.detach().double())).all()
 
     def _loss_denominators(self, mini_batch: Batch) -> dict[str, Tensor]:
         """The global denominators of DESIGN §3: this mini-batch's counts summed over the DP ranks."""
@@ -351,10 +359,16 @@ class PPOCriticBase:
 
     def micro_batches(self, batch: Batch, dynamic: bool, size: int, max_token_len: int) -> list[list[int]]:
         """Row groups of the micro-batches; every DP rank gets the same number (empty groups pad the count)."""
-        lens = batch["attention_mask"].sum(-1)
+        lens = batch.lengths() if dynamic else []
         groups = dynamic_micro_batches(lens, max_token_len) if dynamic else fixed_micro_batches(len(batch), size)
-        count = int(self.all_reduce(torch.tensor(len(groups), device=self.device), op="max"))
+        count = self.most_over_ranks(len(groups))
         count = -(-count // self.micro_batch_multiple) * self.micro_batch_multiple
         if count > len(groups) and dynamic:
             groups = dynamic_micro_batches(lens, max_token_len, min_num_micro_batches=count)
         return groups + [[] for _ in range(count - len(groups))]
+
+    def most_over_ranks(self, n: int) -> int:
+        """The largest `n` of any data-parallel rank: one host sync under DP, none in a single process."""
+        if self.dp_size == 1:
+            return n
+        return int(self.all_reduce(torch.full((), n, device=self.device), "max"))

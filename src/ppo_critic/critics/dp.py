@@ -49,6 +49,15 @@ def _untimed(_phase: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def nan_unless(ok: bool | Tensor, norm: Tensor) -> Tensor:
+    """`norm`, or NaN where `ok` (a bool, or a device bool read later with the norm) is false: a step skipped for
+    its loss is counted like one with a bad gradient."""
+    nan = torch.full_like(norm, float("nan"))
+    if isinstance(ok, Tensor):
+        return torch.where(ok, norm, nan)
+    return norm if ok else nan
+
+
 class DataParallelPPOCritic(PPOCriticBase):
     """PPO value-model trainer: `compute_values(batch)` and `update_critic(batch)` (DESIGN §2–3)."""
 
@@ -168,7 +177,7 @@ class DataParallelPPOCritic(PPOCriticBase):
         groups = self.micro_batches(mini_batch, cfg.use_dynamic_bsz, self.sizes.micro_batch, max_token_len)
         results = self.forward_backward(mini_batch, groups, value_loss, timer=metrics.timer)
         step_loss = sum((m.loss for m in results), torch.zeros((), device=self.device))
-        grad_norm = self.optimizer_step(self._loss_is_finite(step_loss), metrics.timer)
+        grad_norm = self.optimizer_step(self._loss_finite_everywhere(step_loss), metrics.timer)
         metrics.add_step(step_loss / self.groups.world_size, grad_norm)
 
     def forward_backward(
@@ -183,6 +192,8 @@ class DataParallelPPOCritic(PPOCriticBase):
         `backward` the backward of that loss. An empty group runs row 0 (its loss must carry zero weight), so every
         rank runs as many micro-batches and collectives. Gradients accumulate; the caller zeroes and steps."""
         timed = timer or _untimed
+        if self.use_remove_padding:
+            batch = batch.with_lengths()  # packed rows are sized on the host: one read for all micro-batches
         results = []
         for rows in groups:
             micro = batch.index(rows or [0])
@@ -195,18 +206,17 @@ class DataParallelPPOCritic(PPOCriticBase):
             results.append(MicroResult(rows, token_values.detach(), None if loss is None else loss.detach()))
         return results
 
-    def optimizer_step(self, loss_is_finite: bool, timer: PhaseTimer | None = None) -> Tensor:
+    def optimizer_step(self, loss_is_finite: bool | Tensor, timer: PhaseTimer | None = None) -> Tensor:
         """One optimizer step from the accumulated gradients: average them (strategy none under DP), clip, step and
-        update the moving average, or skip when the norm or the loss (`loss_is_finite`, agreed over ranks; e.g.
-        saturated clipping: finite gradient, infinite loss) is not finite. Returns the pre-clip norm (NaN when
-        skipped for the loss); the gradients are zeroed either way."""
+        update the moving average, or skip when the norm or the loss (`loss_is_finite`, agreed over ranks, a bool
+        or a device bool; e.g. saturated clipping: finite gradient, infinite loss) is not finite. Returns the
+        pre-clip norm (NaN when skipped for the loss); the gradients are zeroed either way. One host sync: the
+        decision to step."""
         timed = timer or _untimed
         with timed("collective"):
             average_plain_gradients(self.critic_module, self.groups.world_size)
         with timed("optimizer"):
-            grad_norm = clip_grad_norm(self.critic_module, self.config.grad_clip)
-            if not loss_is_finite:
-                grad_norm = torch.full_like(grad_norm, float("nan"))  # skipped and counted like a bad gradient
+            grad_norm = nan_unless(loss_is_finite, clip_grad_norm(self.critic_module, self.config.grad_clip))
             if torch.isfinite(grad_norm):
                 self.critic_optimizer.step()
                 if self.ema is not None:
@@ -246,7 +256,7 @@ class DataParallelPPOCritic(PPOCriticBase):
 
         With Ulysses (sp > 1) each rank of the sp group runs its slice of the row and the values are gathered.
         """
-        packed = pack(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
+        packed = pack(micro["input_ids"], micro["attention_mask"], micro["position_ids"], micro.lengths())
         multi_modal = self._multi_modal_kwargs(micro)
         if self.sp_size == 1:
             output = self.critic_module(**packed.model_kwargs(), use_cache=False, **multi_modal)

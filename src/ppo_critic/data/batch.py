@@ -6,6 +6,8 @@ A `Batch` is a thin, explicit view: per-sample tensors, per-sample non-tensor da
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,7 @@ class Batch:
     tensors: dict[str, Tensor]
     non_tensors: dict[str, Any] = field(default_factory=dict)
     meta_info: dict[str, Any] = field(default_factory=dict)
+    seq_lens: list[int] | None = field(default=None, repr=False, compare=False)  # set by `with_lengths`
 
     @classmethod
     def from_any(cls, data: Any) -> Batch:
@@ -68,6 +71,18 @@ class Batch:
             return self.tensors["response_mask"]
         return self.tensors["attention_mask"][:, -self.response_length :]
 
+    def lengths(self) -> list[int]:
+        """Attended tokens per row (`attention_mask.sum(-1)`) as host ints: those `with_lengths` read, else read
+        now (a host sync if the mask is on a device)."""
+        return self.with_lengths().seq_lens
+
+    def with_lengths(self) -> Batch:
+        """This batch with `lengths()` read to the host once; `select`, `to` and `index` carry them, so micro-batching
+        and packing read nothing more."""
+        if self.seq_lens is not None:
+            return self
+        return dataclasses.replace(self, seq_lens=self.tensors["attention_mask"].sum(-1).tolist())
+
     def select(self, keys: Iterable[str]) -> Batch:
         """The named tensors and non-tensors that exist (missing names are skipped)."""
         keys = set(keys)
@@ -75,17 +90,20 @@ class Batch:
             {k: v for k, v in self.tensors.items() if k in keys},
             {k: v for k, v in self.non_tensors.items() if k in keys},
             dict(self.meta_info),
+            self.seq_lens,
         )
 
     def index(self, idx: Tensor | Sequence[int]) -> Batch:
-        """Rows `idx` (in that order) of every per-sample entry; anything else (a scalar extra) is carried as is."""
-        idx = torch.as_tensor(idx, dtype=torch.long)
+        """Rows `idx` (in that order) of every per-sample entry; anything else (a scalar extra) is carried as is.
+        Consecutive host rows are a slice (views); other rows gather through one index tensor per device, copied
+        there without a host sync. A device `idx` is read on the host only for host data (non-tensors, lengths)."""
         n = len(self)
-        rows = idx.tolist() if self.non_tensors else []
+        rows = Rows(idx, n)
         return Batch(
-            {k: v[idx.to(v.device)] if _per_sample(v, n) else v for k, v in self.tensors.items()},
-            {k: _take(v, rows) if _per_sample(v, n) else v for k, v in self.non_tensors.items()},
+            {k: rows.of(v) if _per_sample(v, n) else v for k, v in self.tensors.items()},
+            {k: _take(v, rows.host) if _per_sample(v, n) else v for k, v in self.non_tensors.items()},
             dict(self.meta_info),
+            None if self.seq_lens is None else [self.seq_lens[i] for i in rows.host],
         )
 
     def split(self, size: int) -> list[Batch]:
@@ -94,7 +112,7 @@ class Batch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         tensors = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}
-        return Batch(tensors, dict(self.non_tensors), dict(self.meta_info))
+        return Batch(tensors, dict(self.non_tensors), dict(self.meta_info), self.seq_lens)
 
     def validate(self, require_targets: bool = False) -> None:
         """Check what is read (keys, types, shapes, dtypes, masks, positions, targets); one-line errors name the key."""
@@ -271,6 +289,46 @@ class Batch:
             f"batch[{key!r}] has {int(bad.sum())} NaN/Inf value(s) at valid response positions {where}); fix the "
             "rollout or mask those tokens"
         )
+
+
+class Rows:
+    """Row indices `idx` of a batch of `n` rows, as `Batch.index` takes them from each tensor and host entry."""
+
+    def __init__(self, idx: Tensor | Sequence[int], n: int):
+        self.idx, self.n = idx, n
+        self.on_device: dict[torch.device, Tensor] = {}
+
+    @functools.cached_property
+    def host(self) -> list[int]:
+        """The rows as Python ints (a device `idx` is read here, once)."""
+        return self.idx.tolist() if isinstance(self.idx, Tensor) else [int(i) for i in self.idx]
+
+    @functools.cached_property
+    def run(self) -> slice | None:
+        """The slice of host rows that run consecutively inside the batch (None otherwise, and for a tensor)."""
+        if isinstance(self.idx, Tensor) or not self.host:
+            return None
+        run = range(self.host[0], self.host[0] + len(self.host))
+        consecutive = run.start >= 0 and run.stop <= self.n and self.host == list(run)
+        return slice(run.start, run.stop) if consecutive else None
+
+    def of(self, x: Tensor) -> Tensor:
+        """The rows of `x`: a view for a run, else gathered with the index tensor on `x`'s device."""
+        if self.run is not None:
+            return x[self.run]
+        if x.device not in self.on_device:
+            self.on_device[x.device] = to_device(torch.as_tensor(self.idx, dtype=torch.long), x.device)
+        return x[self.on_device[x.device]]
+
+
+def to_device(x: Tensor, device: torch.device) -> Tensor:
+    """`x` on `device` without a host sync when it comes from the host: a blocking copy from pageable memory waits
+    for the device's stream, a `non_blocking` one from pinned memory does not (device data is copied as is)."""
+    if x.device == device:
+        return x
+    if x.device.type != "cpu":
+        return x.to(device)
+    return (x.pin_memory() if device.type == "cuda" else x).to(device, non_blocking=True)
 
 
 def _check_storage(key: str, x: Tensor) -> None:

@@ -9,11 +9,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ppo_critic.data.batch import to_device
 
-def mini_batch_indices(
+
+def mini_batch_rows(
     batch_size: int, mini_batch_size: int, *, shuffle: bool = False, seed: int | None = None, epoch: int = 0
-) -> list[Tensor]:
-    """Row indices of each mini-batch: in order, or a permutation seeded by `seed + epoch` (same on all ranks).
+) -> list[list[int]]:
+    """Row indices of each mini-batch, as host ints: in order, or a permutation seeded by `seed + epoch` (same on
+    all ranks), read from the host once per epoch.
 
     A batch that is not a multiple of `mini_batch_size` ends with a shorter mini-batch (verl's rule): it is one
     optimizer step like the others, normalised over its own rows.
@@ -22,10 +25,18 @@ def mini_batch_indices(
     if shuffle:
         if seed is None:
             raise ValueError("shuffle=True needs data_loader_seed")
-        order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed + epoch))
+        order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     else:
-        order = torch.arange(batch_size)
-    return list(order.split(mini_batch_size)) if batch_size else []  # split() of nothing gives one empty chunk
+        order = list(range(batch_size))
+    return [order[i : i + mini_batch_size] for i in range(0, batch_size, mini_batch_size)]
+
+
+def mini_batch_indices(
+    batch_size: int, mini_batch_size: int, *, shuffle: bool = False, seed: int | None = None, epoch: int = 0
+) -> list[Tensor]:
+    """`mini_batch_rows` as index tensors."""
+    rows = mini_batch_rows(batch_size, mini_batch_size, shuffle=shuffle, seed=seed, epoch=epoch)
+    return [torch.tensor(r, dtype=torch.long) for r in rows]
 
 
 def fixed_micro_batches(batch_size: int, micro_batch_size: int) -> list[list[int]]:
@@ -136,4 +147,4 @@ def restore_order(outputs: Sequence[Tensor], groups: Sequence[Sequence[int]]) ->
     order = torch.tensor([i for g in groups for i in g], dtype=torch.long)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order))
-    return torch.cat(list(outputs), dim=0)[inverse.to(outputs[0].device)]
+    return torch.cat(list(outputs), dim=0)[to_device(inverse, outputs[0].device)]

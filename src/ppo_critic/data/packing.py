@@ -8,6 +8,7 @@ batches (megatron's local layers): each row's valid tokens move to its start, so
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ class PackedBatch:
         ids = F.pad(self.input_ids, (0, pad))
         pad_pos = torch.arange(pad, device=self.position_ids.device).expand(*self.position_ids.shape[:-1], pad)
         pos = torch.cat([self.position_ids, pad_pos], dim=-1)
-        cu = torch.cat([self.cu_seqlens, self.cu_seqlens.new_tensor([nnz + pad])]) if pad else self.cu_seqlens
+        cu = F.pad(self.cu_seqlens, (0, 1), value=nnz + pad) if pad else self.cu_seqlens  # no host-to-device copy
         longest = max(self.max_seqlen, pad)
         return {
             "input_ids": ids[:, chunk],
@@ -59,11 +60,16 @@ class PackedBatch:
         return out.view(self.batch_size, self.seq_len, *packed.shape[2:])
 
 
-def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> PackedBatch:
-    """Keep the tokens where `attention_mask` is 1, in row-major order, as one packed row."""
+def pack(
+    input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, lengths: Sequence[int] | None = None
+) -> PackedBatch:
+    """Keep the tokens where `attention_mask` is 1, in row-major order, as one packed row. `lengths`, the attended
+    tokens per row on the host (`Batch.lengths()`), size the packed row without a host sync; without them the mask
+    is read (one sync)."""
     b, t = input_ids.shape
+    lengths = attention_mask.sum(-1).tolist() if lengths is None else lengths
     valid = attention_mask.bool()
-    indices = valid.flatten().nonzero().squeeze(1)
+    indices = valid_positions(valid.flatten(), sum(lengths))
     seqlens = valid.sum(-1, dtype=torch.int32)
     cu_seqlens = F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
     if position_ids.dim() == 3:  # [B, 3, T] mrope
@@ -74,11 +80,17 @@ def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Pac
         input_ids=input_ids.flatten()[indices].unsqueeze(0),
         position_ids=packed_pos,
         cu_seqlens=cu_seqlens,
-        max_seqlen=int(seqlens.max()) if b else 0,
+        max_seqlen=max(lengths, default=0),
         indices=indices,
         batch_size=b,
         seq_len=t,
     )
+
+
+def valid_positions(valid: Tensor, count: int) -> Tensor:
+    """Where the `count` True entries of the 1-D `valid` are, in order: `nonzero` without its host sync (the count is
+    known), as a stable sort that puts them first."""
+    return torch.sort((~valid).to(torch.uint8), stable=True).indices[:count]
 
 
 @dataclass
