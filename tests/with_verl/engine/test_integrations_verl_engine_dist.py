@@ -4,6 +4,7 @@ engine reports equals the engine's own at DP=1 × SP=1 on the same global mini-b
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -22,6 +23,8 @@ HERE = Path(__file__).resolve().parent
 def test_dp2_and_ulysses2_equal_one_process(single_process, model_dir, tmp_path, monkeypatch):
     batch = rollout(16, seed=7)
     torch.save(batch, tmp_path / "batch.pt")
+    zeros = copy.deepcopy(batch)
+    zeros.batch["returns"] = torch.zeros_like(zeros.batch["returns"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path]), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += [str(HERE / "worker_engine_dist.py"), str(model_dir), str(tmp_path / "batch.pt"), str(tmp_path / "out.pt")]
@@ -36,13 +39,20 @@ def test_dp2_and_ulysses2_equal_one_process(single_process, model_dir, tmp_path,
         "dp1sp2": reference(model_dir, batch, mini_batch_size=8),
         # the engine merges each global mini-batch's returns before its step: one call of ppo-critic's per mini-batch
         "dp2_popart": popart_reference(model_dir, batch, dp_order),
+        # returns without spread leave the statistics the identity: the update without normalisation (issue 39)
+        "dp2_running_zeros": reference(model_dir, zeros.select_idxs(dp_order), mini_batch_size=8),
     }
     natural = torch.argsort(torch.tensor(dp_order))  # the DP reference's rows back in batch order
-    in_one = {"dp2": ("", dp_order), "dp1sp2": ("", list(range(16))), "dp2_popart": ("value_norm=popart", dp_order)}
+    in_one = {
+        "dp2": ("", dp_order, batch),
+        "dp1sp2": ("", list(range(16)), batch),
+        "dp2_popart": ("value_norm=popart", dp_order, batch),
+        "dp2_running_zeros": ("value_norm=running", dp_order, zeros),
+    }
     for name, got in results.items():
-        options, rows = in_one[name]
+        options, rows, source = in_one[name]
         monkeypatch.setenv(OPTIONS_ENV, options)
-        assert_metrics_equal(got["metrics"], one_process_metrics(model_dir, batch.select_idxs(rows)), name)
+        assert_metrics_equal(got["metrics"], one_process_metrics(model_dir, source.select_idxs(rows)), name)
         want = expected[name]
         rows = torch.arange(16) if name == "dp1sp2" else natural
         torch.testing.assert_close(got["values"], want["values"][rows], **VALUES, msg=name)

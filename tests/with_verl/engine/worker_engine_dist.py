@@ -7,6 +7,7 @@ verl's worker reports for it, the full parameters after it, and the values after
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ LAYOUTS = {  # name: (critic settings, whether each rank takes its chunk, PPO_CR
     "dp2": ({}, True, ""),
     "dp1sp2": ({"fsdp.ulysses_sequence_parallel_size": 2, "model.use_remove_padding": True}, False, ""),
     "dp2_popart": ({}, True, "value_norm=popart"),  # return statistics summed over the two ranks
+    "dp2_running_zeros": ({}, True, "value_norm=running"),  # all-zero returns: no spread, the statistics never start
 }
 
 
@@ -45,7 +47,9 @@ def main() -> None:
     results = {}
     for name, (settings, chunked, options) in LAYOUTS.items():
         os.environ[OPTIONS_ENV] = options
-        data = batch.chunk(world)[rank] if chunked else batch
+        data = copy.deepcopy(batch.chunk(world)[rank] if chunked else batch)
+        if name.endswith("_zeros"):
+            data.batch["returns"] = torch.zeros_like(data.batch["returns"])
         worker = training_worker(Path(model_dir), **SGD, **settings)
         out = {"values": values_of_all(worker, data, chunked)}
         out["metrics"] = critic_metrics(train(worker, data, mini_batch_size=8))  # as rank 0 reports them
