@@ -83,7 +83,8 @@ def test_the_report_says_which_ratio_is_values_and_which_is_update():
     ("options", "message"),
     [
         (["paths=padded,fast"], "paths='padded,fast'"),
-        (["paths=packed+turbo"], "levers from ('dyn', 'fused', 'compile')"),
+        (["paths=packed+turbo"], "levers from ('dyn', 'fused', 'compile', 'bf16p')"),
+        (["paths=packed+bf16p", "device=cpu"], "the bf16p lever stores the parameters in bf16, which compute in bf16"),
         (["paths=verl+fused"], "verl paths take dyn only"),
         (["batch=6", "micro=4"], "batch=6 must be a multiple of micro=4"),
         (["fill=0"], "fill=0"),
@@ -189,6 +190,19 @@ def test_bench_levers_build_their_workers_and_profile_names_the_top_operators(tm
         assert sum(o["share"] for o in ops) <= 1.0 + 1e-9
         assert [o["ms"] for o in ops] == sorted((o["ms"] for o in ops), reverse=True)
     assert json.loads(out.read_text())["profile"] == summary["profile"]
+
+
+def test_the_bf16p_lever_builds_bf16_parameters_with_float32_master_weights():
+    from ppo_critic.parallel.master_weights import MasterWeightOptimizer
+    from ppo_critic.throughput import BenchConfig, make_worker, resolved
+
+    cfg = resolved(BenchConfig(**{k: int(v) for k, v in (o.split("=") for o in TINY)}, device="cpu", dtype="bf16"))
+    w = make_worker(cfg, "packed+bf16p")
+    assert w.config.param_dtype == "bfloat16" and isinstance(w.optimizer, MasterWeightOptimizer)
+    assert {p.dtype for p in w.model.parameters()} == {torch.bfloat16}
+    assert {m.dtype for m in w.optimizer.masters.values()} == {torch.float32}
+    assert len(w.optimizer.masters) == len(list(w.model.parameters()))
+    assert {p.dtype for p in make_worker(cfg, "packed").model.parameters()} == {torch.float32}
 
 
 def test_a_path_that_cannot_build_is_an_error_row_and_the_others_are_measured(tmp_path):

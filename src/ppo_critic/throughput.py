@@ -5,7 +5,8 @@ Paths: `padded` (HF model, padded batches: the baseline), `packed` (remove paddi
 CUDA, or CPU with the test-only redirect of bench/megatron_vs_dp.py), and verl 0.7's own critic, `verl` and
 `verl_packed` (its use_remove_padding; `ppo_critic.integrations.verl_bench`), each optionally with levers appended:
 `+dyn` (token-budget micro-batches of `budget` tokens instead of `micro` rows), `+fused` (fused AdamW), `+compile`
-(`torch.compile` per decoder layer), e.g. `packed+dyn+fused`. Each path is a worker built from the same
+(`torch.compile` per decoder layer), `+bf16p` (`param_dtype=bfloat16`: bf16 parameters, float32 master weights in the
+optimizer), e.g. `packed+dyn+fused`. Each path is a worker built from the same
 config and seed (same weights); rounds alternate the paths so machine noise hits all alike; the report holds
 median valid tokens/s, MFU (matmul + attention FLOPs over the measured matmul peak of the compute dtype) and
 peak memory (CUDA: the peak above what was allocated before the calls, i.e. activations and gradients, since all
@@ -108,6 +109,7 @@ def make_worker(cfg: BenchConfig, path: str) -> Any:
         "use_dynamic_bsz": "dyn" in levers,
         "ppo_max_token_len_per_gpu": cfg.budget,
         "dtype": cfg.dtype,
+        "param_dtype": "bfloat16" if "bf16p" in levers else None,
         "model": model,
         "optim": {"lr": 1e-6, "fused": True if "fused" in levers else None},
     }

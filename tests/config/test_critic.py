@@ -134,6 +134,60 @@ def test_each_invalid_setting_is_explained(overrides, message):
 
 
 @pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"param_dtype": "int8"},
+            "param_dtype='int8' is unknown; use bfloat16 (float32 master weights), float32 or null",
+        ),
+        (
+            {"strategy": "none", "param_dtype": "fp16"},
+            "param_dtype=fp16 is not supported (float16 gradients need loss scaling); use bfloat16 or null",
+        ),
+        (
+            {"param_dtype": "bf16"},
+            "param_dtype=bf16 is what strategy=fsdp2 does by itself (float32 shards, the master weights, gathered in "
+            "dtype by its MixedPrecisionPolicy); set param_dtype null and choose the gathered dtype with dtype",
+        ),
+        (
+            {"strategy": "fsdp", "param_dtype": "bfloat16"},
+            "param_dtype=bfloat16 is not supported with strategy=fsdp (FSDP1); use strategy none or ddp, or fsdp2 "
+            "(float32 shards gathered in dtype), or set param_dtype null",
+        ),
+        (
+            {"strategy": "megatron", "param_dtype": "bfloat16"},
+            "param_dtype=bfloat16 is what strategy=megatron does by itself (parameters in dtype, float32 main weights "
+            "in its optimizer); set param_dtype null",
+        ),
+        (
+            {"strategy": "none", "param_dtype": "bfloat16", "dtype": "fp32"},
+            "param_dtype=bfloat16 computes in bfloat16, not dtype=fp32; set dtype=bfloat16 or null",
+        ),
+        (
+            {"strategy": "ddp", "param_dtype": "bfloat16", "model": {"fsdp_config": {"optimizer_offload": True}}},
+            "model.fsdp_config.optimizer_offload=true with param_dtype=bfloat16 is not supported (the float32 master "
+            "weights would stay on the device); set optimizer_offload false or param_dtype null",
+        ),
+    ],
+)
+def test_param_dtype_is_refused_in_one_line_where_it_cannot_apply(overrides, message):
+    with pytest.raises(ValueError) as info:
+        CriticConfig.from_dict(overrides).validate(prefix="critic.")
+    assert str(info.value) == f"invalid critic config:\n  - critic.{message}"
+
+
+@pytest.mark.parametrize("strategy", ["none", "ddp"])
+def test_bf16_parameters_compute_in_bf16_and_float32_parameters_change_nothing(strategy):
+    config = CriticConfig.from_any({"strategy": strategy, "param_dtype": "bf16"}, worker=True)
+    assert config.param_dtype_name == config.torch_dtype_name == "bfloat16"
+    config = CriticConfig.from_any({"strategy": strategy, "param_dtype": "bf16", "dtype": "bfloat16"}, worker=True)
+    assert config.torch_dtype_name == "bfloat16"
+    for unchanged in ({}, {"param_dtype": "float32"}, {"param_dtype": "fp32", "strategy": "megatron"}):
+        config = CriticConfig.from_any(unchanged, worker=True)
+        assert config.param_dtype_name is None and config.torch_dtype_name is None
+
+
+@pytest.mark.parametrize(
     "overrides",
     [
         {"model": {"enable_activation_offload": True}},

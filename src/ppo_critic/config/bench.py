@@ -11,7 +11,7 @@ from typing import Any
 from ppo_critic.config.critic import from_mapping
 
 PATHS = ("padded", "packed", "megatron", "verl", "verl_packed")
-LEVERS = ("dyn", "fused", "compile")
+LEVERS = ("dyn", "fused", "compile", "bf16p")
 VERL_PATHS = ("verl", "verl_packed")  # verl 0.7's own critic, padded or remove-padding; only the dyn lever
 VERL_SERIES = "0.7."
 QWEN25_05B = {"layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "intermediate": 4864, "vocab": 151936}
@@ -26,7 +26,8 @@ class BenchConfig:
     paths: str = "padded,packed"
     """comma-separated paths: padded (the baseline), packed, megatron, and verl 0.7's own critic: verl (padded),
     verl_packed (verl's use_remove_padding); each optionally with levers joined by + (e.g. packed+dyn+fused):
-    dyn, fused, compile (verl paths: dyn only)"""
+    dyn, fused, compile, bf16p (bf16 parameters with float32 master weights; needs dtype bfloat16) (verl paths: dyn
+    only)"""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
     dtype: str | None = None
@@ -88,6 +89,11 @@ class BenchConfig:
             )
         if any(p.split("+")[0] in VERL_PATHS for p in cfg.path_list()):
             _check_verl(self.paths)
+        if any("bf16p" in p.split("+")[1:] for p in cfg.path_list()) and cfg.dtype not in ("bfloat16", "bf16"):
+            raise ValueError(
+                f"paths={self.paths!r}: the bf16p lever stores the parameters in bf16, which compute in bf16; set "
+                f"dtype=bfloat16 (the CUDA default), not {cfg.dtype}"
+            )
         if not 0 < cfg.fill <= 1:
             raise ValueError(f"fill={cfg.fill} must be in (0, 1]")
         sizes = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "batch", "prompt", "response")

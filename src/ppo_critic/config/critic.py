@@ -26,6 +26,15 @@ from ppo_critic.config.modes import LOSS_AGG_MODES, VALUE_NORM_MODES, VF_LOSS_TY
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("fsdp2", "fsdp", "ddp", "none", "megatron")
+# strategies that hold parameters in their own way, refusing `param_dtype`: why, and what to do instead
+PARAM_DTYPE_ELSEWHERE = {
+    "fsdp2": "is what strategy=fsdp2 does by itself (float32 shards, the master weights, gathered in dtype by its "
+    "MixedPrecisionPolicy); set param_dtype null and choose the gathered dtype with dtype",
+    "fsdp": "is not supported with strategy=fsdp (FSDP1); use strategy none or ddp, or fsdp2 (float32 shards gathered "
+    "in dtype), or set param_dtype null",
+    "megatron": "is what strategy=megatron does by itself (parameters in dtype, float32 main weights in its "
+    "optimizer); set param_dtype null",
+}
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 DTYPES |= {"float16": "float16", "fp16": "float16"}
 VALUE_HEAD_INIT = re.compile(r"^(default|zero|normal:(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?|from_reward_model:.+)$")
@@ -230,7 +239,11 @@ class CriticConfig:
     """Ulysses sequence parallelism: each sequence split over this many ranks (needs model.use_remove_padding true
     or auto; verl)"""
     dtype: str | None = None
-    """compute dtype: bfloat16, float16 or float32; null: bf16 autocast on CUDA, fp32 on CPU"""
+    """compute dtype: bfloat16, float16 or float32; null: a bfloat16 param_dtype's, else bf16 autocast on CUDA and
+    fp32 on CPU"""
+    param_dtype: str | None = None
+    """bfloat16: parameters and gradients in bf16 on the device, float32 master weights in the optimizer (strategy
+    none or ddp; fsdp2 keeps float32 shards and gathers them in dtype by itself); null or float32: float32 parameters"""
     rollout_n: int = 1
     """responses per prompt (verl's actor_rollout_ref.rollout.n); ppo_mini_batch_size counts prompts"""
     enable: bool | None = None
@@ -293,8 +306,16 @@ class CriticConfig:
 
     @property
     def torch_dtype_name(self) -> str | None:
-        """Canonical compute dtype name, or None for the device default (bf16 on CUDA, fp32 on CPU)."""
-        return None if self.dtype is None else DTYPES[self.dtype]
+        """Canonical compute dtype name: `dtype`, else a low-precision `param_dtype` (such parameters compute in
+        their dtype), else None for the device default (bf16 on CUDA, fp32 on CPU)."""
+        return self.param_dtype_name if self.dtype is None else DTYPES[self.dtype]
+
+    @property
+    def param_dtype_name(self) -> str | None:
+        """Canonical name of a low-precision `param_dtype` (master weights kept in float32), or None for float32
+        parameters."""
+        name = DTYPES.get(self.param_dtype) if isinstance(self.param_dtype, str) else None
+        return None if name == "float32" else name
 
     def validate(self, prefix: str = "", *, worker: bool = True) -> None:
         """Raise one ValueError listing every invalid or contradictory setting (with the fix); `prefix` is where
@@ -329,7 +350,7 @@ class CriticConfig:
             errors.append(f"dtype={self.dtype!r} is unknown; use one of {sorted(DTYPES)} or null for the default")
         if not _positive_number(self.huber_delta):
             errors.append(f"huber_delta={self.huber_delta!r} must be a positive (finite) number")
-        errors += self.ema_errors()
+        errors += self.ema_errors() + self.param_dtype_errors()
         for name in ("cliprange_value", "grad_clip", "loss_scale_factor"):
             value = getattr(self, name)
             if value is not None and not _positive_number(value):
@@ -402,6 +423,23 @@ class CriticConfig:
             ]
         return []
 
+    def param_dtype_errors(self) -> list[str]:
+        """`param_dtype` is bfloat16, float32 or null; bfloat16 where ppo-critic keeps master weights itself
+        (strategy none or ddp), with a compute dtype that matches (the offload keys: `offload_errors`)."""
+        value = self.param_dtype
+        name = DTYPES.get(value) if isinstance(value, str) else None
+        if value is None or name == "float32":
+            return []
+        if name is None:
+            return [f"param_dtype={value!r} is unknown; use bfloat16 (float32 master weights), float32 or null"]
+        if name == "float16":
+            return [f"param_dtype={value} is not supported (float16 gradients need loss scaling); use bfloat16 or null"]
+        if self.strategy in PARAM_DTYPE_ELSEWHERE:
+            return [f"param_dtype={value} {PARAM_DTYPE_ELSEWHERE[self.strategy]}"]
+        if DTYPES.get(self.dtype, name) != name:
+            return [f"param_dtype={value} computes in {name}, not dtype={self.dtype}; set dtype={name} or null"]
+        return []
+
     def model_errors(self) -> list[str]:
         m = self.model
         errors = _choice_errors({"model.head": (m.head, HEAD_KINDS)})
@@ -431,7 +469,8 @@ class CriticConfig:
 
     def offload_errors(self) -> list[str]:
         """verl's offload keys are booleans, each set only where this worker honours it: `param_offload` and
-        `optimizer_offload` with fsdp2, ddp or none (`parallel/offload.py`), `offload_policy` with fsdp2."""
+        `optimizer_offload` with fsdp2, ddp or none (`parallel/offload.py`) and float32 parameters, `offload_policy`
+        with fsdp2."""
         errors = []
         for key in OFFLOAD_KEYS:
             value = self.model.fsdp_config.get(key, False)
@@ -446,6 +485,11 @@ class CriticConfig:
                 errors.append(
                     f"model.fsdp_config.offload_policy=true needs strategy=fsdp2 (FSDP2's CPUOffloadPolicy); with "
                     f"strategy={self.strategy} use param_offload / optimizer_offload, or set it false"
+                )
+            elif value and self.param_dtype_name and self.strategy in ("none", "ddp"):
+                errors.append(
+                    f"model.fsdp_config.{key}=true with param_dtype={self.param_dtype} is not supported (the float32 "
+                    f"master weights would stay on the device); set {key} false or param_dtype null"
                 )
         return errors
 

@@ -26,6 +26,7 @@ from ppo_critic.data.packing import pack
 from ppo_critic.models.attention import packed_blocker, use_packed_attention
 from ppo_critic.models.hf import find_value_head, token_values, unwrap
 from ppo_critic.parallel.fsdp import average_plain_gradients, clip_grad_norm
+from ppo_critic.parallel.master_weights import float32_weights, masters_of
 from ppo_critic.parallel.mesh import Groups, compute_dtype, parallel_groups
 from ppo_critic.parallel.ulysses import check_heads_of, gather_sequence, sequence_parallel
 
@@ -97,7 +98,8 @@ class DataParallelPPOCritic(PPOCriticBase):
 
             if isinstance(critic_module, FullyShardedDataParallel):  # flat shards DCP cannot tell apart
                 raise ValueError("critic.ema_decay > 0 is not supported with FSDP1; use FSDP2 (fully_shard) or DDP")
-            self.ema = ParameterEMA(critic_module, self.config.ema_decay, self.config.ema_warmup)
+            masters = masters_of(critic_optimizer)  # critic.param_dtype: the average follows the float32 masters
+            self.ema = ParameterEMA(critic_module, self.config.ema_decay, self.config.ema_warmup, masters)
         if self.value_norm.mode == "popart" and getattr(*find_value_head(critic_module)).bias is None:
             raise ValueError("value_norm=popart needs a value head with a bias (the mean shift goes there)")
         inner = unwrap(critic_module)  # DDP / FSDP1 / peft
@@ -150,7 +152,9 @@ class DataParallelPPOCritic(PPOCriticBase):
                 yield getattr(parent, name)
             return
         self._reshard()
-        yield getattr(parent, name)
+        head = getattr(parent, name)
+        with float32_weights(self.critic_optimizer, head):  # critic.param_dtype: edit the masters, then round
+            yield head
 
     def _reshard(self) -> None:
         """FSDP2 keeps the root's parameters unsharded after a forward: reshard, so the sharded ones are in use (and
@@ -216,7 +220,8 @@ class DataParallelPPOCritic(PPOCriticBase):
         with timed("collective"):
             average_plain_gradients(self.critic_module, self.groups.world_size)
         with timed("optimizer"):
-            grad_norm = nan_unless(loss_is_finite, clip_grad_norm(self.critic_module, self.config.grad_clip))
+            norm = clip_grad_norm(self.critic_module, self.config.grad_clip, self.critic_optimizer)  # param_dtype: fp32
+            grad_norm = nan_unless(loss_is_finite, norm)
             if torch.isfinite(grad_norm):
                 self.critic_optimizer.step()
                 if self.ema is not None:

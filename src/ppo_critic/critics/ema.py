@@ -4,13 +4,14 @@
 them: `avg ← decay·avg + (1 − decay)·param`. `compute_values` (and so the returns a trainer bootstraps from, the
 old values of the clipped loss and the HF export) uses the average: a critic whose outputs do not carry the noise
 of the last few steps. The average is kept per local shard (plain, DDP or FSDP2 DTensor parameters), so it costs
-one copy of the trainable parameters and no communication.
+one copy of the trainable parameters and no communication. Under `critic.param_dtype` it is a float32 average of the
+float32 master weights (a bf16 average could not move by less than bf16's resolution), and swaps with them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -24,14 +25,19 @@ def _local(t: Tensor) -> Tensor:
 class ParameterEMA:
     """The moving average of `module`'s trainable parameters (named as in `module.named_parameters()`)."""
 
-    def __init__(self, module: nn.Module, decay: float, warmup: bool = False):
+    def __init__(
+        self, module: nn.Module, decay: float, warmup: bool = False, masters: Mapping[Tensor, Tensor] | None = None
+    ):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"critic.ema_decay={decay!r} must be in (0, 1) (0 turns the average off)")
         self.decay, self.warmup = decay, warmup
         self.updates = torch.zeros((), dtype=torch.int64)  # updates so far (checkpointed under warmup)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
+        masters = masters or {}  # parameter -> its float32 master copy (`critic.param_dtype`): the live weight
+        self.params = [masters.get(p, p) for _, p in named]
+        self.rounded = [p for _, p in named if p in masters]  # set from their masters after each swap
+        self.masters = [masters[p] for p in self.rounded]
         with torch.no_grad():
             self.average = [p.detach().clone() for p in self.params]  # DTensors stay DTensors (for checkpoints)
 
@@ -54,6 +60,8 @@ class ParameterEMA:
         held = [t.clone() for t in live]
         torch._foreach_copy_(live, average)
         torch._foreach_copy_(average, held)
+        if self.rounded:  # low-precision parameters: their masters rounded
+            torch._foreach_copy_(self.rounded, self.masters)
 
     def _locals(self) -> tuple[list[Tensor], list[Tensor]]:
         """The average's and the live parameters' local tensors, for multi-tensor (one kernel per group) updates."""

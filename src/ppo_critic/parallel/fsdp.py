@@ -14,6 +14,7 @@ from ppo_critic.config.critic import STRATEGIES, CriticConfig
 from ppo_critic.models.compile import compile_decoder_layers
 from ppo_critic.models.hf import ValueHead, find_value_head
 from ppo_critic.parallel.collectives import all_reduce_, served_device_types
+from ppo_critic.parallel.master_weights import MasterWeightOptimizer
 from ppo_critic.parallel.mesh import BACKEND_CUDA, compute_dtype, default_dtype
 
 
@@ -165,14 +166,16 @@ def average_plain_gradients(model: nn.Module, size: int) -> None:
         grad.div_(size)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float | None) -> Tensor:
-    """Total gradient norm over all ranks before clipping; clips when `max_norm` is set."""
+def clip_grad_norm(model: nn.Module, max_norm: float | None, optimizer: torch.optim.Optimizer | None = None) -> Tensor:
+    """Total gradient norm over all ranks before clipping; clips when `max_norm` is set. Under `critic.param_dtype`
+    (`optimizer` a `MasterWeightOptimizer`) on the float32 copies of the gradients that the optimizer steps."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     limit = float("inf") if max_norm is None else max_norm
     if isinstance(model, FullyShardedDataParallel):
         return model.clip_grad_norm_(limit)
-    params = [p for p in model.parameters() if p.grad is not None]
+    stepped = optimizer.stepped_parameters() if isinstance(optimizer, MasterWeightOptimizer) else model.parameters()
+    params = [p for p in stepped if p.grad is not None]
     if not params:
         return torch.zeros((), device=next(model.parameters()).device)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm=limit)

@@ -1,5 +1,6 @@
 """What both backends of a `CriticWorker` build the same way: the checked config, the HF value model, the
-optimizer's parameter groups, the torch optimizer and the LR schedule."""
+optimizer's parameter groups, the torch optimizer (over float32 master weights under `critic.param_dtype`) and the LR
+schedule."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from torch import nn
+from torch import Tensor, nn
 
 from ppo_critic.config.critic import CriticConfig, ModelConfig, OptimConfig, RankSizes
 from ppo_critic.models.hf import build_value_model, find_value_head
 from ppo_critic.models.lora import apply_lora
+from ppo_critic.parallel.master_weights import MasterWeightOptimizer, store_in
 from ppo_critic.parallel.mesh import Groups
 
 
@@ -86,8 +88,24 @@ def param_groups(model: torch.nn.Module, optim: OptimConfig) -> list[dict[str, A
     ]
 
 
-def build_optimizer(params: Any, optim: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW (verl's) or SGD over `params` with `optim`'s settings."""
+def low_precision(model: nn.Module, config: CriticConfig) -> dict[Tensor, Tensor]:
+    """`critic.param_dtype`: the model's parameters stored in it (a value head of its own `value_head_dtype` kept),
+    with the float32 master copies an optimizer then steps (`build_optimizer`); nothing when it is unset."""
+    name = config.param_dtype_name
+    if name is None:
+        return {}
+    parent, head = find_value_head(model)
+    keep = list(getattr(parent, head).parameters()) if config.model.value_head_dtype else []
+    return store_in(model, getattr(torch, name), keep)
+
+
+def build_optimizer(
+    params: Any, optim: OptimConfig, masters: dict[Tensor, Tensor] | None = None
+) -> torch.optim.Optimizer:
+    """AdamW (verl's) or SGD over `params` with `optim`'s settings; with `masters` (of `low_precision`) it steps
+    those float32 copies of the low-precision parameters (`MasterWeightOptimizer`)."""
+    if masters:
+        return MasterWeightOptimizer(params, masters, lambda groups: build_optimizer(groups, optim))
     if optim.optimizer == "sgd":
         return torch.optim.SGD(params, lr=optim.lr, weight_decay=optim.weight_decay)
     return torch.optim.AdamW(

@@ -16,10 +16,18 @@ from ppo_critic.critics import DataParallelPPOCritic
 from ppo_critic.models.hf import find_value_head
 from ppo_critic.models.lora import merged_model
 from ppo_critic.parallel.fsdp import parallelize
+from ppo_critic.parallel.master_weights import float32_weights
 from ppo_critic.parallel.mesh import init_distributed, parallel_groups, select_device
 from ppo_critic.parallel.offload import Offloader
 from ppo_critic.run.checkpoint import export_hf, load_checkpoint, save_checkpoint
-from ppo_critic.worker.build import Layout, build_optimizer, export_skeleton, model_from_config, param_groups
+from ppo_critic.worker.build import (
+    Layout,
+    build_optimizer,
+    export_skeleton,
+    low_precision,
+    model_from_config,
+    param_groups,
+)
 
 
 class DataParallelBackend:
@@ -34,17 +42,20 @@ class DataParallelBackend:
         torch.manual_seed(seed)
         model = model_from_config(config.model).to(self.device)  # same seed: same weights on every rank
         self.hf_config = model.config
+        masters = low_precision(model, config)  # critic.param_dtype: before DDP, whose buckets take the dtype
         self.model = parallelize(model, config, self.device)
-        self.optimizer = build_optimizer(param_groups(self.model, config.optim), config.optim)
+        self.optimizer = build_optimizer(param_groups(self.model, config.optim), config.optim, masters)
         self.scheduled = self.optimizer  # the torch optimizer whose rates the LR schedule sets
         self.critic = DataParallelPPOCritic.of(config, sizes, self.groups, self.model, self.optimizer)
         average = [] if self.critic.ema is None else [self.critic.ema.average]  # moves with the parameters
         self.offload = Offloader(self.model, self.optimizer, self.device, average)
 
     def save(self, root: str | Path, step: int, tensors: dict[str, Tensor], state: dict, keep: int | None) -> Path:
-        """One DCP checkpoint: the (sharded) model and optimizer, the moving average and `tensors`."""
+        """One DCP checkpoint: the (sharded) model (its float32 master weights under `critic.param_dtype`) and
+        optimizer, the moving average and `tensors`."""
         tensors = {**tensors, **self._ema_state()}
-        return save_checkpoint(root, step, self.model, self.optimizer, tensors, state, keep)
+        with float32_weights(self.optimizer):
+            return save_checkpoint(root, step, self.model, self.optimizer, tensors, state, keep)
 
     def load(
         self, path: str | Path, templates: dict[str, Tensor], check: Callable[[dict[str, Any]], None]
@@ -52,7 +63,8 @@ class DataParallelBackend:
         """Model, optimizer and moving average from `path` once it verifies and `check` passes; the rest of
         `templates` (shape/dtype) filled and returned with the JSON state."""
         ema = self._ema_state()
-        loaded, state = load_checkpoint(path, self.model, self.optimizer, {**templates, **ema}, check)
+        with float32_weights(self.optimizer):  # critic.param_dtype: into the masters, then rounded
+            loaded, state = load_checkpoint(path, self.model, self.optimizer, {**templates, **ema}, check)
         with torch.no_grad():
             for key, average in ema.items():  # DCP loads in place; copy in case a tensor came back new
                 got = loaded.pop(key)
@@ -61,8 +73,13 @@ class DataParallelBackend:
         return loaded, state
 
     def export_hf(self, out_dir: str | Path, replace: bool) -> Path:
-        """The live weights as an HF checkpoint: a LoRA critic merged, `value_norm`'s statistics folded into the
-        head; rank 0 writes, the others take part in the gather and wait."""
+        """The live weights as an HF checkpoint (the float32 masters under `critic.param_dtype`): a LoRA critic
+        merged, `value_norm`'s statistics folded into the head; rank 0 writes, the others join the gather and wait."""
+        with float32_weights(self.optimizer):
+            return self._export_hf(out_dir, replace)
+
+    def _export_hf(self, out_dir: str | Path, replace: bool) -> Path:
+        """`export_hf` of the weights the parameters hold now."""
         lora, norm = bool(self.config.model.lora_rank), self.critic.value_norm
         if not lora and not norm.enabled:
             return export_hf(self.model, out_dir, replace=replace)
