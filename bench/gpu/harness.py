@@ -117,21 +117,22 @@ STEPS = {
         ),
     ),
     "bench": Step(
-        105,
-        "ppo-critic bench at the Qwen2.5-0.5B shape: padded, packed, +dyn, +fused, megatron, all resident; profiled",
+        115,
+        "ppo-critic bench at the Qwen2.5-0.5B shape: padded, packed, +dyn, +fused, +bf16p, megatron, all resident; "
+        "profiled",
         (
             Cost("start: imports torch, transformers", 6),
-            Cost("building a 0.5B path: 494M parameters initialised, moved to the GPU, optimizer", 6, 4, "path"),
+            Cost("building a 0.5B path: 494M parameters initialised, moved to the GPU, optimizer", 6, 5, "path"),
             Cost("building the megatron path: megatron-core, HF -> megatron weights, DDP, optimizer", 15, 1, "path"),
             Cost("first calls of the warm-up round: cuBLAS, kernels loaded, the allocator growing", 5),
             Cost(
-                "round: every path's compute_values and update_critic (~0.5 s padded, ~0.3 s packed)", 2.5, 4, "round"
+                "round: every path's compute_values and update_critic (~0.5 s padded, ~0.3 s packed)", 3, 4, "round"
             ),
-            Cost("profiling one update of a path: CUPTI, the trace, its operator table", 4, 5, "profile"),
+            Cost("profiling one update of a path: CUPTI, the trace, its operator table", 4, 6, "profile"),
         ),
     ),
     "compile": Step(
-        100,
+        90,
         "ppo-critic bench of packed+dyn+fused+compile at the same shape: the cold compile in a box of its own",
         (
             Cost("start: imports torch, transformers", 6),

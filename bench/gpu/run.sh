@@ -73,11 +73,11 @@ TESTS=(-m pytest -m cuda -q -rs -p no:cacheprovider "${cuda_files[@]}" "${tests_
 TRAIN=(-m ppo_critic train trainer.steps=50 trainer.device=cuda "trainer.run_dir=$work/train" trainer.resume=never
   trainer.progress=false trainer.log_every=10 "${train_extra[@]}")
 # the baseline, the packed path, then the levers of the performance issue one by one (+dyn: token-budget
-# micro-batches; +fused: fused AdamW), megatron TP=1; one profiled update each. The last lever (+compile: torch.compile
+# micro-batches; +fused: fused AdamW; +bf16p: bf16 parameters, float32 master weights), megatron TP=1; one profiled update each. The last lever (+compile: torch.compile
 # per decoder layer) is the compile step's, its cold compile in a box of its own; its row compares it with this
 # step's padded baseline (same rollouts, same weights)
 # shellcheck disable=SC2054  # the commas separate the paths of one option
-BENCH=(-m ppo_critic bench paths=padded,packed,packed+dyn,packed+dyn+fused,megatron
+BENCH=(-m ppo_critic bench paths=padded,packed,packed+dyn,packed+dyn+fused,packed+dyn+fused+bf16p,megatron
   device=cuda repeats=3 profile=true "out=$out/bench.json" "${bench_extra[@]}")
 COMPILE=(-m ppo_critic bench paths=packed+dyn+fused+compile device=cuda repeats=3 profile=true
   "out=$out/compile.json" "${compile_extra[@]}")

@@ -171,7 +171,7 @@ class PPOCriticEngine(BaseEngine):
         engine), verl's `loss_function` over the global denominators, and (unless `forward_only`) the backward. The
         loss and metrics are the mini-batch's, whatever the micro-batches, DP or SP (`MiniBatchReport`)."""
         critic, train = self._critic, not forward_only
-        batch = dense_inputs(data, self.device)
+        batch = dense_inputs(data, self.device).with_lengths()  # read once: micro-batching and packing reuse them
         critic.check_token_ids(batch)
         groups = self._micro_batches(data, batch, train)
         report = MiniBatchReport(self.device)
@@ -197,7 +197,7 @@ class PPOCriticEngine(BaseEngine):
         default_budget = sizes.max_token_len if train else sizes.forward_max_token_len
         budget = (tu.get_non_tensor_data(data, "max_token_len_per_gpu", None) or default_budget) * critic.sp_size
         if dynamic:
-            check_token_budget(batch["attention_mask"].sum(-1), budget, TRAIN_BUDGET if train else INFER_BUDGET)
+            check_token_budget(batch.lengths(), budget, TRAIN_BUDGET if train else INFER_BUDGET)
         return critic.micro_batches(batch, dynamic, int(micro), int(budget))
 
     def _micro_loss(self, data: TensorDict, loss_function: Callable, report: MiniBatchReport) -> MicroLoss:
