@@ -125,9 +125,7 @@ STEPS = {
             Cost("building a 0.5B path: 494M parameters initialised, moved to the GPU, optimizer", 6, 5, "path"),
             Cost("building the megatron path: megatron-core, HF -> megatron weights, DDP, optimizer", 15, 1, "path"),
             Cost("first calls of the warm-up round: cuBLAS, kernels loaded, the allocator growing", 5),
-            Cost(
-                "round: every path's compute_values and update_critic (~0.5 s padded, ~0.3 s packed)", 3, 4, "round"
-            ),
+            Cost("round: every path's compute_values and update_critic (~0.5 s padded, ~0.3 s packed)", 3, 4, "round"),
             Cost("profiling one update of a path: CUPTI, the trace, its operator table", 4, 6, "profile"),
         ),
     ),
