@@ -1,7 +1,8 @@
 """verl's own trainer, `python -m verl.trainer.main_ppo`, on the CPU with `critic.strategy=ppo_critic`: three PPO
 steps of verl's default (v1) trainer at DP=2 through Ray, and of the legacy `trainer.use_v1=false` one in one process,
-each give the value losses and gradient norms of verl's own fsdp2 critic engine (default trainer, one process) on the
-same weights and data. Each run starts about a dozen processes (a minute on two cores): three runs cover the cases.
+and of the default trainer at DP=1 x Ulysses 2, each give the critic metrics (value loss, gradient norm, clip fraction,
+mean prediction) of verl's own fsdp2 critic engine (default trainer, one process) on the same weights and data. Each
+run starts about a dozen processes (a minute on two cores): four runs cover the cases.
 
 Only `main_ppo_cpu/` stands in (a CPU platform, gloo, a rollout of seeded random tokens: see its module); the agent
 loop, TransferQueue, reward, advantages, actor (fsdp2) and metrics are verl's. All runs share one Ray cluster.
@@ -28,7 +29,9 @@ from verl_shared import VOCAB, save_tiny_critic
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "main_ppo_cpu"
 STEPS = 3  # 16 prompts in batches of 8: step 3 sees step 1's batch again
-COMPARED = ("critic/vf_loss", "critic/grad_norm")
+# every critic metric the engines report: the same at any DP or Ulysses size (issue 39); verl's engine runs one
+# micro-batch per step here, so its per-micro-batch means are the mini-batch's token-weighted ones
+COMPARED = ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac", "critic/vpred_mean")
 # DESIGN §6's layout tolerance: both engines compute the same fp32 sums in another order (measured: < 1e-7)
 RTOL = 1e-5
 SPECIAL = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0-3; the stand-in rollout emits ids from 4 on
@@ -212,6 +215,13 @@ def test_verls_default_trainer_at_dp2_through_ray(workdir, ray_address, verl_eng
     """Each batch is one optimizer step (the mini-batch is the whole batch), so two ranks holding half of it each
     make the one-process update."""
     got = main_ppo(workdir, ray_address, "ppo_critic_dp2", *PPO_CRITIC, gpus=2)
+    assert_same_critic(got, verl_engine)
+
+
+def test_verls_default_trainer_under_ulysses_2(workdir, ray_address, verl_engine):
+    """DP=1 x Ulysses 2: the metrics as at one rank (they read 2x the loss before issue 39's fix)."""
+    ulysses = ["critic.fsdp.ulysses_sequence_parallel_size=2", "critic.model.use_remove_padding=true"]
+    got = main_ppo(workdir, ray_address, "ppo_critic_sp2", *PPO_CRITIC, *ulysses, gpus=2)
     assert_same_critic(got, verl_engine)
 
 
