@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 # the verl suites need verl in an environment of their own: tests/with_verl/run.sh builds it and sets this variable
 collect_ignore = [] if os.environ.get("PPO_CRITIC_VERL_SUITE") else ["with_verl"]
@@ -64,6 +65,15 @@ def no_leaked_process_group():
     if not before and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("the test left a torch.distributed process group initialised")
+
+
+@pytest.fixture
+def one_process_group():
+    """A one-rank gloo group for the test (torch.distributed's collectives, FSDP, DDP in this process)."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

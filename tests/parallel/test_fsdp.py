@@ -13,14 +13,6 @@ from ppo_critic.worker import CriticWorker
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def one_process_group():
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def fsdp2_worker(dtype: str | None, head_dtype: str | None) -> CriticWorker:
     model = {"override_config": tiny_config("qwen2"), "value_head_dtype": head_dtype, "use_remove_padding": False}
     config = {"strategy": "fsdp2", "ppo_mini_batch_size": 4, "dtype": dtype, "model": model}

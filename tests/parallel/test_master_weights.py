@@ -15,7 +15,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from conftest import exported_values, make_batch, tiny_config
@@ -240,14 +239,6 @@ def test_the_clipping_norm_is_taken_in_float32_on_the_masters_gradients():
     assert all(p.grad is None for p in model.parameters())  # moved into the masters: float32, clipped there
     clipped = torch.cat([m.grad.flatten() for m in masters.values()])
     assert clipped.dtype == torch.float32 and float(clipped.norm()) == pytest.approx(0.5, rel=1e-5)
-
-
-@pytest.fixture
-def one_process_group():
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_ddp_reduces_the_bf16_gradients_and_steps_the_masters(one_process_group):
