@@ -26,16 +26,16 @@ import platform
 import re
 import statistics
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import torch
 
-from ppo_critic import train as train_module
 from ppo_critic.cli import load_config
 from ppo_critic.run.files import write_file
-from ppo_critic.train import train
+from ppo_critic.tasks import TASKS
+from ppo_critic.train import Targets, critic_returns, train
 
 RESULTS = Path(__file__).resolve().parent / "results" / "suite"
 QUALITY = Path(__file__).resolve().parents[1] / "docs" / "QUALITY.md"
@@ -235,41 +235,45 @@ def base_of(name: str) -> str:
     return name.partition("@")[0]
 
 
-def _truth_iteration(worker, source, trainer) -> dict[str, float]:
-    """`ppo_critic.train._iteration` with the exact values as the regression targets (no return noise, no bootstrap
-    bias): how fast the model and the rate allow a critic to learn the task at all."""
-    batch = source.next_batch()
-    batch["values"] = worker.compute_values(batch)
-    batch["returns"] = source.task.true_values(batch, trainer.gamma)
-    return worker.update_critic(batch)
+def task_of(cfg):
+    """The built-in task `cfg` trains on, for its exact values (`true_values`)."""
+    return TASKS[cfg.task.get("name", "counting")][0](cfg.task_config())
 
 
-def _exact_bootstrap_iteration(worker, source, trainer) -> dict[str, float]:
-    """`ppo_critic.train._iteration` with the returns bootstrapped from the task's exact values (the old values of
-    the clipped loss stay the critic's): the return noise of the configuration's λ without its bootstrap error."""
-    batch = source.next_batch()
-    batch["values"] = worker.compute_values(batch)
-    exact = source.task.true_values(batch, trainer.gamma)
-    batch["returns"] = train_module.critic_returns(batch, exact, trainer, worker.step)
-    return worker.update_critic(batch)
+def truth_targets(task) -> Targets:
+    """The exact values as the regression targets (no return noise, no bootstrap bias): how fast the model and the
+    rate allow a critic to learn the task at all."""
+    return lambda batch, values, trainer, step: task.true_values(batch, trainer.gamma)
 
 
-def iteration_of(name: str):
-    """The iteration a configuration trains with: `ppo_critic.train._iteration` but for the ceilings' and the
+def exact_bootstrap_targets(task) -> Targets:
+    """The returns bootstrapped from the task's exact values (the old values of the clipped loss stay the critic's):
+    the return noise of the configuration's λ without its bootstrap error."""
+    return lambda batch, values, trainer, step: critic_returns(
+        batch, task.true_values(batch, trainer.gamma), trainer, step
+    )
+
+
+def targets_of(name: str, cfg) -> Targets:
+    """What a configuration regresses on: `critic_returns` (the trainer's default) but for the ceilings' and the
     exact-bootstrap configurations'."""
     if base_of(name) in TRUTH:
-        return _truth_iteration
-    return _exact_bootstrap_iteration if name.startswith("exactboot_") else train_module._iteration
+        return truth_targets(task_of(cfg))
+    return exact_bootstrap_targets(task_of(cfg)) if name.startswith("exactboot_") else critic_returns
 
 
-def run_one(name: str, overrides: list[str], seed: int, steps: int, eval_every: int) -> dict:
+def run_one(
+    name: str, overrides: list[str], seed: int, steps: int, eval_every: int, watch: Callable[[int], None] | None = None
+) -> dict:
     """Train one configuration for one seed: the EV curve [(iteration, EV, training seconds so far)], the best and
-    the final EV, and the training seconds (evaluation excluded)."""
+    the final EV, and the training seconds (evaluation excluded); `watch(step)`, if given, after every step."""
     curve: list[tuple[int, float, float]] = []
 
     def on_step(step: int, metrics: dict[str, float], train_s: float) -> None:
         if "eval/ev_true" in metrics:
             curve.append((step, metrics["eval/ev_true"], train_s))
+        if watch is not None:
+            watch(step)
 
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load_config(
@@ -287,8 +291,7 @@ def run_one(name: str, overrides: list[str], seed: int, steps: int, eval_every: 
                 "trainer.export_hf=false",
             ],
         )
-        with mock.patch.object(train_module, "_iteration", iteration_of(name)):
-            train(cfg, out=io.StringIO(), on_step=on_step)
+        train(cfg, out=io.StringIO(), on_step=on_step, targets=targets_of(name, cfg))
     return {
         "config": name,
         "seed": seed,
@@ -486,38 +489,44 @@ def timing_rounds(task: str, names: list[str], steps: int, rounds: int) -> dict[
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def profiled(iteration, measured: list[dict[str, float]]):
-    """`iteration` wrapped to append what torch.profiler counts of all its operators to `measured`: their summed self
-    time (`seconds`: the work without the interpreter's overhead or the host's idle time), their floating-point
-    operations as the profiler estimates them (`flops`: matrix products) and the operator calls (`calls`)."""
+def counted(prof: torch.profiler.profile) -> dict[str, float]:
+    """What torch.profiler counted of all operators: their summed self time (`seconds`: the work without the
+    interpreter's overhead or the host's idle time), their floating-point operations as the profiler estimates them
+    (`flops`: matrix products) and the operator calls (`calls`)."""
+    events = prof.key_averages()
+    return {
+        "seconds": sum(e.self_cpu_time_total for e in events) / 1e6,
+        "flops": float(sum(e.flops for e in events)),
+        "calls": float(sum(e.count for e in events)),
+    }
 
-    def run(worker, source, trainer):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
-            metrics = iteration(worker, source, trainer)
-        events = prof.key_averages()
-        measured.append(
-            {
-                "seconds": sum(e.self_cpu_time_total for e in events) / 1e6,
-                "flops": float(sum(e.flops for e in events)),
-                "calls": float(sum(e.count for e in events)),
-            }
-        )
-        return metrics
 
-    return run
+def profile_steps(first: int, last: int, measured: list[dict[str, float]]) -> Callable[[int], None]:
+    """A `run_one` watch that appends what `counted` counts of each iteration `first`..`last` to `measured`: each
+    profiled from the end of the step before it to its own end (its logging does no tensor work)."""
+    running: list[torch.profiler.profile] = []
+
+    def watch(step: int) -> None:
+        if running:
+            prof = running.pop()
+            prof.stop()
+            measured.append(counted(prof))
+        if first <= step + 1 <= last:
+            running.append(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True))
+            running[0].start()
+
+    return watch
 
 
 def work_rounds(task: str, names: list[str], steps: int, rounds: int) -> dict[str, dict[str, float]]:
-    """What `profiled` counts of one iteration of each configuration on `task`, side by side: `rounds` rounds, each
+    """What `counted` counts of one iteration of each configuration on `task`, side by side: `rounds` rounds, each
     running every configuration for `steps` iterations in turn; per configuration the median over every iteration
-    but each run's first two (warm-up)."""
+    but each run's first two (warm-up) and its last (it evaluates)."""
     measured: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for _ in range(rounds):
         for name in names:
-            one: list[dict[str, float]] = []
-            with mock.patch.object(train_module, "_iteration", profiled(train_module._iteration, one)):
-                run_one(name, overrides_of(name, task), seed=0, steps=steps, eval_every=steps)
-            measured[name] += one[2:]
+            watch = profile_steps(3, steps - 1, measured[name])
+            run_one(name, overrides_of(name, task), seed=0, steps=steps, eval_every=steps, watch=watch)
     return {name: {k: statistics.median(m[k] for m in rows) for k in rows[0]} for name, rows in measured.items()}
 
 

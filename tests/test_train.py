@@ -264,6 +264,25 @@ def test_the_critics_targets_use_the_trainers_lambda(step, settings, lam):
         assert expected_lam[0].item() == pytest.approx(1 - 1 / (0.25 * l_gamma.mean().item()), abs=1e-6)
 
 
+def test_the_loop_regresses_on_the_targets_it_is_given(tmp_path):
+    """`train(targets=...)` replaces `critic_returns` (benchmarks regress on exact values without patching)."""
+    calls = []
+
+    def spy(batch, values, trainer, step):
+        calls.append((step, values.shape == batch["responses"].shape, trainer.gamma))
+        return train_mod.critic_returns(batch, values, trainer, step)
+
+    def zeros(batch, values, trainer, step):
+        return torch.zeros_like(values)
+
+    runs = {}
+    for name, targets in (("spy", spy), ("zeros", zeros)):
+        cfg = short_config(tmp_path / name, "trainer.steps=2", "trainer.export_hf=false")
+        runs[name] = train(cfg, out=io.StringIO(), targets=targets)
+    assert calls == [(0, True, 1.0), (1, True, 1.0)]
+    assert runs["spy"]["critic/vf_loss"] != runs["zeros"]["critic/vf_loss"]
+
+
 def test_the_default_model_covers_the_longest_rollout():
     from ppo_critic.config.train import DEFAULT_MODEL, resolve_model
 

@@ -24,10 +24,26 @@ from ppo_critic.run import console, rundir
 from ppo_critic.run.checkpoint import complete_checkpoints
 from ppo_critic.run.files import write_file
 from ppo_critic.run.plots import plot_curves
-from ppo_critic.run.rundir import CHANGEABLE_ON_RESUME
 from ppo_critic.run.runlog import CURVES_FILE, METRICS_FILE, RunLog, read_metrics
 from ppo_critic.tasks import TASKS
 from ppo_critic.worker import CriticWorker
+
+
+def critic_returns(batch: dict[str, Tensor], values: Tensor, t: TrainerConfig, step: int) -> Tensor:
+    """The critic's regression targets: GAE returns bootstrapped from `values`, with the λ of `t` at `step`
+    (Monte-Carlo during `critic_warmup_steps`, then the length-adaptive rule or `lam`)."""
+    rewards, mask = batch["token_level_rewards"], batch["response_mask"]
+    if step < t.critic_warmup_steps:
+        lam = 1.0
+    elif t.length_adaptive_alpha is not None:
+        lam = length_adaptive_lambda(mask, t.length_adaptive_alpha, gamma=t.gamma, scope=t.length_adaptive_scope)
+    else:
+        lam = t.lam
+    return compute_gae_advantage_return(rewards, values, mask, t.gamma, lam)[1]
+
+
+# what the built-in trainer regresses on: (batch, its values, the trainer's options, the worker's step) -> [B, R]
+Targets = Callable[[dict[str, Tensor], Tensor, TrainerConfig, int], Tensor]
 
 
 class TaskSource:
@@ -157,6 +173,7 @@ def train(
     out: Any = None,
     on_step: Callable[[int, dict[str, float], float], None] | None = None,
     overwrite: bool = False,
+    targets: Targets = critic_returns,
 ) -> dict[str, float]:
     """Run (or resume) the job in `cfg.trainer.run_dir`; returns the last metrics row.
 
@@ -164,7 +181,8 @@ def train(
     aside); a resumed run starts from the newest checkpoint that verifies, with only the options of
     `rundir.CHANGEABLE_ON_RESUME` allowed to differ from the saved ones. Under torchrun every rank trains its share;
     the first rank alone writes files and prints. `on_step(step, metrics, train_s)` is called after every step
-    (benchmarks): `train_s` is the wall time spent in training iterations so far in this call.
+    (benchmarks): `train_s` is the wall time spent in training iterations so far in this call. `targets` are what
+    the critic regresses on (default: `critic_returns`; benchmarks pass e.g. a task's exact values).
     """
     from omegaconf import OmegaConf
 
@@ -184,10 +202,10 @@ def train(
         current = cfg.to_dict()
         say(OmegaConf.to_yaml(OmegaConf.create(current)))
         say(f"rollouts: {source.name}; evaluation: {source.eval_name or 'none (no evaluation set)'}")
-        changeable = CHANGEABLE_ON_RESUME if cfg.critic.strategy != "megatron" else CHANGEABLE_ON_RESUME[:-1]
+        changeable, why = rundir.changeable_on_resume(cfg.critic.strategy), rundir.why_fixed(cfg.critic.strategy)
         changes = {}
         if t.resume != "never":  # options that cannot change mid-run are refused before anything loads
-            changes = rundir.agree(lead, lambda: rundir.option_changes(run_dir, current, changeable)) or {}
+            changes = rundir.agree(lead, lambda: rundir.option_changes(run_dir, current, changeable, why)) or {}
         resumed = rundir.resume(run_dir / "checkpoints", t.resume, functools.partial(_load, worker, source), say)
         if resumed is not None:
             say(f"resumed from {resumed} at step {worker.step}")
@@ -204,7 +222,7 @@ def train(
             rundir.mark(run_dir)
             if resumed is not None and changes:
                 rundir.record_changes(run_dir, worker.step, changes)
-        return _loop(worker, source, cfg, run_dir, out, on_step)
+        return _loop(worker, source, cfg, run_dir, out, on_step, targets)
     except KeyboardInterrupt as interrupt:
         done = [c for c in complete_checkpoints(run_dir / "checkpoints") if int(c.name[5:]) <= worker.step]
         newest = done[-1] if done else None  # not a damaged newer one that resume skipped
@@ -270,6 +288,7 @@ def _loop(
     run_dir: Path,
     out: Any,
     on_step: Callable[[int, dict[str, float], float], None] | None,
+    targets: Targets,
 ) -> dict[str, float]:
     """Steps from the worker's current one to `trainer.steps`: metrics, evaluation, checkpoints, the HF export."""
     t = cfg.trainer
@@ -283,7 +302,7 @@ def _loop(
     try:
         while worker.step < t.steps:
             start = time.perf_counter()
-            metrics = _iteration(worker, source, t)
+            metrics = _iteration(worker, source, t, targets)
             train_s += time.perf_counter() - start
             step = worker.step
             if source.eval_batch is not None and (step % t.eval_every == 0 or step == t.steps):
@@ -321,21 +340,11 @@ def run_title(cfg: TrainConfig, source: TaskSource | FileSource) -> str:
     )
 
 
-def _iteration(worker: CriticWorker, source: TaskSource | FileSource, t: TrainerConfig) -> dict[str, float]:
+def _iteration(
+    worker: CriticWorker, source: TaskSource | FileSource, t: TrainerConfig, targets: Targets = critic_returns
+) -> dict[str, float]:
+    """One step: rollouts, their values, the `targets` regressed on, one `update_critic`."""
     batch = source.next_batch()
     batch["values"] = worker.compute_values(batch)
-    batch["returns"] = critic_returns(batch, batch["values"], t, worker.step)
+    batch["returns"] = targets(batch, batch["values"], t, worker.step)
     return worker.update_critic(batch)
-
-
-def critic_returns(batch: dict[str, Tensor], values: Tensor, t: TrainerConfig, step: int) -> Tensor:
-    """The critic's regression targets: GAE returns bootstrapped from `values`, with the λ of `t` at `step`
-    (Monte-Carlo during `critic_warmup_steps`, then the length-adaptive rule or `lam`)."""
-    rewards, mask = batch["token_level_rewards"], batch["response_mask"]
-    if step < t.critic_warmup_steps:
-        lam = 1.0
-    elif t.length_adaptive_alpha is not None:
-        lam = length_adaptive_lambda(mask, t.length_adaptive_alpha, gamma=t.gamma, scope=t.length_adaptive_scope)
-    else:
-        lam = t.lam
-    return compute_gae_advantage_return(rewards, values, mask, t.gamma, lam)[1]

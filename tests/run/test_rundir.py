@@ -89,6 +89,25 @@ def test_options_that_may_change_on_resume_and_those_that_may_not(tmp_path):
         rundir.option_changes(run, now, rundir.CHANGEABLE_ON_RESUME)
 
 
+def test_megatron_cannot_change_the_rate_on_resume_and_says_why(tmp_path):
+    """FIXED_ON_RESUME names the exception by option and backend (not by its place in CHANGEABLE_ON_RESUME)."""
+    run = a_run(tmp_path / "run")
+    now = {"trainer": {"steps": 8}, "critic": {"optim": {"lr": 0.002}}}
+    megatron = rundir.changeable_on_resume("megatron")
+    assert (
+        set(rundir.CHANGEABLE_ON_RESUME) - set(megatron)
+        == {"critic.optim.lr"}
+        == set(rundir.FIXED_ON_RESUME["megatron"])
+    )
+    assert rundir.changeable_on_resume("fsdp2") == rundir.CHANGEABLE_ON_RESUME
+    with pytest.raises(
+        ValueError, match=r"critic.optim.lr: 0.001 -> 0.002 \(strategy=megatron cannot change it on res"
+    ):
+        rundir.option_changes(run, now, megatron, rundir.why_fixed("megatron"))
+    now["critic"]["optim"]["lr"] = 0.001
+    assert rundir.option_changes(run, now, megatron, rundir.why_fixed("megatron")) == {"trainer.steps": [4, 8]}
+
+
 def test_a_run_saved_before_an_option_existed_resumes_with_the_value_it_meant(tmp_path):
     run = a_run(tmp_path / "run")  # its config.yaml has no trainer.length_adaptive_scope
     now = {"trainer": {"steps": 4, "length_adaptive_scope": "response"}, "critic": {"optim": {"lr": 0.001}}}

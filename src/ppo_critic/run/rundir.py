@@ -40,6 +40,13 @@ CHANGEABLE_ON_RESUME = (
     "trainer.device",
     "critic.optim.lr",
 )
+# options a backend cannot change on resume, and why: refused there like any other difference, the reason given
+FIXED_ON_RESUME = {
+    "megatron": {
+        "critic.optim.lr": "megatron-core builds its optimizer's parameter groups itself, without the per-group "
+        "ratio a new rate is applied through, and saves none of them in its checkpoints",
+    },
+}
 NOT_COMPARED = ("trainer.resume", "trainer.run_dir")  # how the run is found, not what it is
 # options added after runs were saved: the value a saved config without them meant (such a run stays resumable)
 ADDED_OPTIONS = {"trainer.length_adaptive_scope": "response"}
@@ -151,9 +158,25 @@ def _metrics_rows(path: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def option_changes(run_dir: Path, current: dict[str, Any], changeable: tuple[str, ...]) -> dict[str, list[Any]]:
+def changeable_on_resume(strategy: str) -> tuple[str, ...]:
+    """The options a resumed run of `critic.strategy` may change: CHANGEABLE_ON_RESUME but its FIXED_ON_RESUME."""
+    fixed = FIXED_ON_RESUME.get(strategy, {})
+    return tuple(key for key in CHANGEABLE_ON_RESUME if key not in fixed)
+
+
+def why_fixed(strategy: str) -> dict[str, str]:
+    """Why each option of FIXED_ON_RESUME cannot change under `critic.strategy`, for the refusal's message."""
+    return {
+        key: f"strategy={strategy} cannot change it on resume: {why}"
+        for key, why in FIXED_ON_RESUME.get(strategy, {}).items()
+    }
+
+
+def option_changes(
+    run_dir: Path, current: dict[str, Any], changeable: tuple[str, ...], why: dict[str, str] | None = None
+) -> dict[str, list[Any]]:
     """The options of this invocation that differ from the saved run's (`key: [saved, now]`): those in
-    `changeable`; any other difference is an error listing them all."""
+    `changeable`; any other difference is an error listing them all (with `why[key]` where a reason is known)."""
     import yaml
 
     saved_file = run_dir / CONFIG_FILE
@@ -165,7 +188,8 @@ def option_changes(run_dir: Path, current: dict[str, Any], changeable: tuple[str
     differ = {k: v for k, v in differ.items() if k not in NOT_COMPARED}
     refused = {k: v for k, v in differ.items() if k not in changeable}
     if refused:
-        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
+        reasons = {k: f" ({why[k]})" for k in refused if k in (why or {})}
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}{reasons.get(k, '')}" for k, (old, new) in refused.items())
         raise ValueError(
             f"these options differ from the run being resumed in {run_dir} (saved -> now): {listed}. They cannot "
             f"change mid-run: keep them as saved (see {saved_file}), or start a new run (another trainer.run_dir, "
