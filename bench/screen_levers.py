@@ -1,5 +1,6 @@
-"""Screens of critic levers before any is built into the library (issue 33): each patches the trainer or the
-data-parallel critic in-process and runs a suite configuration of `bench/ablation.py` on one task and seed.
+"""Screens of critic levers before any is built into the library (issue 33): each plugs a lever in through a public
+seam (a value objective registered under `critic.vf_loss_type`, the targets the trainer regresses on) and runs a suite
+configuration of `bench/ablation.py` on one task and seed.
 
     python bench/screen_levers.py hl_gauss --tasks counting                        # 51 bins over ±4σ, σ 0.75 bins
     python bench/screen_levers.py hl_gauss --bins 11 --low -3 --high 3 --sigma 1.0 --tasks counting
@@ -10,9 +11,11 @@ data-parallel critic in-process and runs a suite configuration of `bench/ablatio
 [`--low`, `--high`] of the model's output space (normalised returns under `value_norm=running`); the loss is the cross
 entropy against the target's histogram smoothed by a Gaussian of `--sigma` bin widths, the value is the expectation;
 value clipping keeps a token's loss but stops its gradient where the clipped expectation's error is the larger, as
-the max of the clipped mse loss does. `horizon`: λ by state, λ_t = 1 − 1/(α·h_t) with h_t the mean remaining length
-(discounted under γ < 1) at position t of the batch's *other* responses that reach t, so no response's own future
-sets its λ. Each run appends to `bench/results/screens.jsonl`.
+the max of the clipped mse loss does. It is registered as the objective `critic.vf_loss_type=hl_gauss`
+(`ppo_critic.critics.objectives.register`). `horizon`: λ by state, λ_t = 1 − 1/(α·h_t) with h_t the mean remaining
+length (discounted under γ < 1) at position t of the batch's *other* responses that reach t, so no response's own
+future sets its λ: the targets the trainer regresses on (`ablation.targets_of`). Each run appends to
+`bench/results/screens.jsonl`.
 """
 
 from __future__ import annotations
@@ -23,17 +26,15 @@ import fcntl
 import importlib.util
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
 import torch
 from torch import Tensor
 
-from ppo_critic import train as train_module
 from ppo_critic.algos import agg_loss, compute_gae_advantage_return, masked_mean
-from ppo_critic.critics import dp
-from ppo_critic.critics.base import PPOCriticBase
-from ppo_critic.models import hf
+from ppo_critic.critics.objectives import ValueObjective, register
 from ppo_critic.run.files import write_file
 
 BENCH = Path(__file__).resolve().parent
@@ -55,44 +56,42 @@ def hl_gauss_target(returns: Tensor, edges: Tensor, sigma: float) -> Tensor:
     return (cdf[..., 1:] - cdf[..., :-1]) / (cdf[..., -1:] - cdf[..., :1]).clamp(min=1e-12)
 
 
-def hl_gauss_patches(bins: int, low: float, high: float, sigma_bins: float) -> list:
-    """The patches that turn the scalar head into `bins` logits, `compute_values` into their expectation and the
-    value loss into HL-Gauss cross entropy."""
-    edges = torch.linspace(low, high, bins + 1)
-    centers, sigma = (edges[1:] + edges[:-1]) / 2, sigma_bins * float(edges[1] - edges[0])
-    auto_class = hf._auto_class
+@dataclass(frozen=True)
+class HLGauss(ValueObjective):
+    """`bins` logits per token over [low, high]; the value their expectation over the bin centres; the loss the
+    cross entropy against the Gaussian-smoothed (σ = `sigma_bins` bin widths) histogram of the return."""
 
-    def with_bins(config, head):
-        config.num_labels = bins
-        return auto_class(config, head)
+    bins: int
+    low: float
+    high: float
+    sigma_bins: float
+    value_norms = ("off", "running")  # not PopArt: the value is not affine in the head's outputs
+    identity = False
 
-    def expectation(self, micro):
-        logits = self.token_values(micro)[:, -micro.response_length - 1 : -1]
-        return (logits.softmax(-1) * centers).sum(-1)
+    @property
+    def outputs(self) -> int:
+        return self.bins
 
-    def loss(self, micro, real, logits, norm, metrics):
-        cfg = self.config
-        mask = (micro.response_mask if real else torch.zeros_like(micro.response_mask)).bool()
-        log_p = logits.float().log_softmax(-1)
-        returns = torch.where(mask, micro["returns"], 0.0)
-        ce = -(hl_gauss_target(returns, edges, sigma) * log_p).sum(-1)
-        value = (log_p.exp() * centers).sum(-1)
+    def edges(self, device: torch.device) -> Tensor:
+        return torch.linspace(self.low, self.high, self.bins + 1, device=device)
+
+    def values(self, outputs: Tensor) -> Tensor:
+        edges = self.edges(outputs.device)
+        return (outputs.float().softmax(-1) * (edges[1:] + edges[:-1]) / 2).sum(-1)
+
+    def loss(self, outputs, returns, old_values, response_mask, cliprange_value, loss_agg_mode="token-mean", **norm):
+        """Cross entropy; where the clipped expectation's squared error is the larger, its gradient is stopped."""
+        mask, edges = response_mask.bool(), self.edges(outputs.device)
+        returns = torch.where(mask, returns, 0.0)
+        sigma = self.sigma_bins * float(edges[1] - edges[0])
+        ce = -(hl_gauss_target(returns, edges, sigma) * outputs.float().log_softmax(-1)).sum(-1)
         clipped = torch.zeros_like(mask)
-        if cfg.cliprange_value is not None:
-            old = micro["values"]
-            bounded = torch.clamp(value, old - cfg.cliprange_value, old + cfg.cliprange_value)
+        if cliprange_value is not None:
+            value, old = self.values(outputs), torch.where(mask, old_values, 0.0)
+            bounded = torch.clamp(value, old - cliprange_value, old + cliprange_value)
             clipped = ((bounded - returns) ** 2 > (value - returns) ** 2) & mask
             ce = torch.where(clipped, ce.detach(), ce)
-        metrics.add_micro_batch(value, masked_mean(clipped.float(), mask), mask)
-        return agg_loss(ce, mask, cfg.loss_agg_mode, **norm)
-
-    return [
-        mock.patch.object(hf, "_auto_class", with_bins),
-        mock.patch.object(hf, "_finish_head", lambda *_: None),  # no scalar head to initialise
-        mock.patch.object(dp, "token_values", lambda module, output: output.logits.float()),
-        mock.patch.object(dp.DataParallelPPOCritic, "_forward_micro_batch", expectation),
-        mock.patch.object(PPOCriticBase, "_micro_batch_loss", loss),
-    ]
+        return agg_loss(ce, mask, loss_agg_mode, **norm), masked_mean(clipped.float(), mask)
 
 
 def horizon_lambda(mask: Tensor, alpha: float, gamma: float) -> Tensor:
@@ -109,16 +108,11 @@ def horizon_lambda(mask: Tensor, alpha: float, gamma: float) -> Tensor:
     return (1 - 1 / (alpha * horizon.clamp(min=1e-6))).clamp(0, 1)
 
 
-def horizon_patches() -> list:
-    def iteration(worker, source, t):
-        batch = source.next_batch()
-        batch["values"] = worker.compute_values(batch)
-        rewards, mask = batch["token_level_rewards"], batch["response_mask"]
-        lam = horizon_lambda(mask, t.length_adaptive_alpha, t.gamma)
-        _, batch["returns"] = compute_gae_advantage_return(rewards, batch["values"], mask, t.gamma, lam)
-        return worker.update_critic(batch)
-
-    return [mock.patch.object(train_module, "_iteration", iteration)]
+def horizon_targets(batch: dict[str, Tensor], values: Tensor, t, step: int) -> Tensor:
+    """GAE returns with λ by state (`horizon_lambda`): the trainer's `targets` for the horizon screen."""
+    rewards, mask = batch["token_level_rewards"], batch["response_mask"]
+    lam = horizon_lambda(mask, t.length_adaptive_alpha, t.gamma)
+    return compute_gae_advantage_return(rewards, values, mask, t.gamma, lam)[1]
 
 
 def record(row: dict) -> None:
@@ -149,15 +143,19 @@ def main() -> None:
     if args.lever == "hl_gauss":
         label += f", {args.bins} bins over [{args.low:g}, {args.high:g}], σ {args.sigma:g} bins"
     label += "".join(f", {o}" for o in args.extra) + ")"
+    overrides = []
+    if args.lever == "hl_gauss":
+        objective = HLGauss(args.bins, args.low, args.high, args.sigma)
+        register("hl_gauss", lambda config: objective)
+        overrides = ["critic.vf_loss_type=hl_gauss"]
     for seed in args.seeds:
         for task in args.tasks:
             s = ablation.SUITE[task]
-            patches = hl_gauss_patches(args.bins, args.low, args.high, args.sigma) if args.lever == "hl_gauss" else []
             with contextlib.ExitStack() as stack:
-                for patch in patches or horizon_patches():
-                    stack.enter_context(patch)
+                if args.lever == "horizon":  # the suite's targets: a public function of the bench script
+                    stack.enter_context(mock.patch.object(ablation, "targets_of", lambda *_: horizon_targets))
                 run = ablation.run_one(
-                    base, [*ablation.overrides_of(base, task), *args.extra], seed, s.steps, s.eval_every
+                    base, [*ablation.overrides_of(base, task), *overrides, *args.extra], seed, s.steps, s.eval_every
                 )
             row = {"lever": label, "task": task, "seed": seed, "to_0.95": ablation.first_reach(run["curve"], 0.95)}
             row |= {"best_ev": run["best_ev"], "curve": run["curve"]}

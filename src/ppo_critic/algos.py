@@ -6,10 +6,12 @@ its gradient: masked entries are replaced by zero *before* any arithmetic, so Na
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from ppo_critic.config.modes import LENGTH_ADAPTIVE_SCOPES, LOSS_AGG_MODES, VF_LOSS_TYPES
+from ppo_critic.config.modes import LENGTH_ADAPTIVE_SCOPES, LOSS_AGG_MODES
 
 
 def _masked(x: Tensor, mask: Tensor) -> Tensor:
@@ -113,9 +115,37 @@ def doubled_error_loss(err: Tensor, loss_type: str = "mse", huber_delta: float =
     if loss_type == "mse":
         return err**2
     if loss_type != "huber":
-        raise ValueError(f"vf_loss_type={loss_type!r} is unknown; expected one of {VF_LOSS_TYPES}")
+        raise ValueError(f"vf_loss_type={loss_type!r} is unknown; expected one of ('mse', 'huber')")
     abs_err = err.abs()
     return torch.where(abs_err <= huber_delta, err**2, 2 * huber_delta * abs_err - huber_delta**2)
+
+
+def clipped_value_loss(
+    error_loss: Callable[[Tensor, Tensor], Tensor],
+    vpreds: Tensor,
+    returns: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    cliprange_value: float | None,
+    loss_agg_mode: str = "token-mean",
+    **norm,
+) -> tuple[Tensor, Tensor]:
+    """`agg(max(ℓ(v, R), ℓ(clip(v, v_old±c), R)))` and the clipped fraction, for any per-token loss ℓ(values, returns)
+    of values and returns in one space: PPO's value clipping, shared by every objective that clips its values.
+
+    `cliprange_value=None` turns clipping off. `norm` is forwarded to `agg_loss` (global denominators).
+    """
+    mask = response_mask.bool()
+    vpreds, returns, values = _masked(vpreds, mask), _masked(returns, mask), _masked(values, mask)
+    unclipped = error_loss(vpreds, returns)
+    if cliprange_value is None:
+        loss_mat, clipfrac = unclipped, torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
+    else:
+        vclipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
+        clipped = error_loss(vclipped, returns)
+        loss_mat = torch.maximum(unclipped, clipped)
+        clipfrac = masked_mean((clipped > unclipped).to(vpreds.dtype), mask)
+    return agg_loss(loss_mat, mask, loss_agg_mode, **norm), clipfrac
 
 
 def compute_value_loss(
@@ -135,17 +165,14 @@ def compute_value_loss(
 
     `cliprange_value=None` turns clipping off. `norm` is forwarded to `agg_loss` (global denominators).
     """
-    mask = response_mask.bool()
-    vpreds, returns, values = _masked(vpreds, mask), _masked(returns, mask), _masked(values, mask)
-    unclipped = doubled_error_loss(vpreds - returns, loss_type, huber_delta)
-    if cliprange_value is None:
-        loss_mat, clipfrac = unclipped, torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
-    else:
-        vclipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
-        clipped = doubled_error_loss(vclipped - returns, loss_type, huber_delta)
-        loss_mat = torch.maximum(unclipped, clipped)
-        clipfrac = masked_mean((clipped > unclipped).to(vpreds.dtype), mask)
-    return 0.5 * agg_loss(loss_mat, mask, loss_agg_mode, **norm), clipfrac
+
+    def error_loss(v: Tensor, r: Tensor) -> Tensor:
+        return doubled_error_loss(v - r, loss_type, huber_delta)
+
+    loss, clipfrac = clipped_value_loss(
+        error_loss, vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode, **norm
+    )
+    return 0.5 * loss, clipfrac
 
 
 @torch.no_grad()

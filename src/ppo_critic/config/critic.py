@@ -222,7 +222,8 @@ class CriticConfig:
     loss_scale_factor: float | None = None
     """the divisor of seq-mean-token-sum-norm's per-sequence sums; null: the response width (verl)"""
     vf_loss_type: str = "mse"
-    """mse, or huber (quadratic within huber_delta of the return, linear beyond)"""
+    """mse; huber (quadratic within huber_delta of the return, linear beyond); bce (0/1 rewards: value
+    sigmoid(logit), loss the cross entropy against the return clipped to [0, 1])"""
     huber_delta: float = 1.0
     """δ of the huber loss"""
     value_norm: str | bool = "off"
@@ -342,7 +343,7 @@ class CriticConfig:
             {
                 "loss_agg_mode": (self.loss_agg_mode, LOSS_AGG_MODES),
                 "strategy": (self.strategy, STRATEGIES),
-                "vf_loss_type": (self.vf_loss_type, VF_LOSS_TYPES),
+                "vf_loss_type": (self.vf_loss_type, tuple(VF_LOSS_TYPES)),
                 "value_norm": (self.value_norm, VALUE_NORM_MODES),
             }
         )

@@ -1,10 +1,11 @@
 """The names of the critic's loss, normalisation and target modes, torch-free, so configs can check them without torch.
 
-`ppo_critic.algos` and `ppo_critic.critics.value_norm` implement them; `ppo_critic.config.critic` validates
-against them.
+`ppo_critic.algos`, `ppo_critic.critics.objectives` and `ppo_critic.critics.value_norm` implement them;
+`ppo_critic.config.critic` validates against them.
 """
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-VF_LOSS_TYPES = ("mse", "huber")
+# the value objectives, one module each in critics/objectives/ (a research script may `register` more at run time)
+VF_LOSS_TYPES = ["mse", "huber", "bce"]
 VALUE_NORM_MODES = ("off", "running", "popart")
 LENGTH_ADAPTIVE_SCOPES = ("response", "batch")  # whose length sets the length-adaptive λ

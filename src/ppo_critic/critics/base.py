@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ppo_critic.algos import compute_value_loss
 from ppo_critic.config.critic import CriticConfig, RankSizes
 from ppo_critic.critics.ema import ParameterEMA
+from ppo_critic.critics.objectives import ValueObjective, objective_of
 from ppo_critic.critics.perf import ModelShape, PhaseTimer, perf_metrics
 from ppo_critic.critics.value_norm import ValueNormalizer
 from ppo_critic.data.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
@@ -177,6 +177,7 @@ class PPOCriticBase:
     last_compute_metrics: dict[str, float] | None = None
     value_norm: ValueNormalizer = ValueNormalizer("off")  # a backend supporting `critic.value_norm` sets its own
     ema: ParameterEMA | None = None  # a backend supporting `critic.ema_decay` sets its own
+    objective: ValueObjective  # `critic.vf_loss_type`'s, set by `_use_objective`
 
     @torch.no_grad()
     def compute_values(self, data: Any) -> Tensor:
@@ -199,7 +200,7 @@ class PPOCriticBase:
         groups = self.micro_batches(batch, use_dynamic, micro_batch_size, max_token_len)
         self.set_training(False)
         with self.averaged_weights():
-            values = self.value_norm.denormalise(self._values(batch, groups))
+            values = self.value_norm.denormalise(self.objective.values(self._values(batch, groups)))
         values = torch.where(batch.response_mask.bool(), values, 0.0).float().cpu()
         replica = self.perf.world_size // self.dp_size  # this rank's share of the devices: the replica's
         tokens, flops = float(sum(batch.lengths())), self.perf.forward_flops(batch)
@@ -320,25 +321,27 @@ class PPOCriticBase:
     def learning_rate(self) -> float:
         raise NotImplementedError
 
+    def _use_objective(self) -> None:
+        """Build `critic.vf_loss_type`'s objective; a `value_norm` it does not work with is refused."""
+        objective, cfg = objective_of(self.config), self.config
+        if cfg.value_norm not in objective.value_norms:
+            raise ValueError(
+                f"vf_loss_type={cfg.vf_loss_type} works with value_norm {' or '.join(objective.value_norms)}, "
+                f"not {cfg.value_norm}"
+            )
+        self.objective = objective
+
     def _micro_batch_loss(
-        self, micro: Batch, real: bool, vpreds: Tensor, norm: dict[str, Any], metrics: UpdateMetrics
+        self, micro: Batch, real: bool, outputs: Tensor, norm: dict[str, Any], metrics: UpdateMetrics
     ) -> Tensor:
-        """The value loss of one micro-batch over the global denominators `norm` (zero weight when it only keeps
-        the ranks in step), recorded in `metrics`."""
+        """The objective's loss of one micro-batch's head outputs [b, R(, outputs)] over the global denominators
+        `norm` (zero weight when it only keeps the ranks in step), recorded in `metrics`."""
         cfg = self.config
         mask = micro.response_mask if real else torch.zeros_like(micro.response_mask)
-        loss, clipfrac = compute_value_loss(
-            vpreds,
-            micro["returns"],
-            micro["values"],
-            mask,
-            cfg.cliprange_value,
-            cfg.loss_agg_mode,
-            loss_type=cfg.vf_loss_type,
-            huber_delta=cfg.huber_delta,
-            **norm,
+        loss, clipfrac = self.objective.loss(
+            outputs, micro["returns"], micro["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **norm
         )
-        metrics.add_micro_batch(vpreds, clipfrac, mask)
+        metrics.add_micro_batch(self.objective.values(outputs), clipfrac, mask)
         return loss
 
     def _loss_is_finite(self, step_loss: Tensor) -> bool:

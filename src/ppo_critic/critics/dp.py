@@ -100,8 +100,8 @@ class DataParallelPPOCritic(PPOCriticBase):
                 raise ValueError("critic.ema_decay > 0 is not supported with FSDP1; use FSDP2 (fully_shard) or DDP")
             masters = masters_of(critic_optimizer)  # critic.param_dtype: the average follows the float32 masters
             self.ema = ParameterEMA(critic_module, self.config.ema_decay, self.config.ema_warmup, masters)
-        if self.value_norm.mode == "popart" and getattr(*find_value_head(critic_module)).bias is None:
-            raise ValueError("value_norm=popart needs a value head with a bias (the mean shift goes there)")
+        self._use_objective()
+        self._check_head()
         inner = unwrap(critic_module)  # DDP / FSDP1 / peft
         hf_config = getattr(inner, "config", None)
         shape = ModelShape.from_hf(hf_config) if hf_config is not None else None
@@ -110,6 +110,24 @@ class DataParallelPPOCritic(PPOCriticBase):
             self.vocab_size = inner.get_input_embeddings().num_embeddings
         if self.use_remove_padding:  # last: a rejected config leaves the model as it was
             use_packed_attention(critic_module, self.config.model.attn_implementation)
+
+    def _check_head(self) -> None:
+        """The value head gives the objective's outputs per token and, under PopArt, has a bias (a model that names
+        no head is taken as it is, but PopArt needs one)."""
+        popart = self.value_norm.mode == "popart"
+        try:
+            head = getattr(*find_value_head(self.critic_module))
+        except ValueError:
+            if popart:
+                raise
+            return
+        if head.out_features != self.objective.outputs:
+            raise ValueError(
+                f"vf_loss_type={self.config.vf_loss_type} needs a value head of {self.objective.outputs} outputs per "
+                f"token; the model's has {head.out_features} (build_value_model(..., head_outputs=...))"
+            )
+        if popart and head.bias is None:
+            raise ValueError("value_norm=popart needs a value head with a bias (the mean shift goes there)")
 
     def _packs(self) -> bool:
         """`model.use_remove_padding` resolved: auto packs unless the model cannot run packed rows (attention that
@@ -230,14 +248,15 @@ class DataParallelPPOCritic(PPOCriticBase):
         return grad_norm
 
     def _forward_micro_batch(self, micro: Batch) -> Tensor:
-        """Values [b, R] in float32: the model output at the position before each response token."""
+        """Head outputs [b, R(, outputs)] in float32 at the position before each response token (the objective
+        makes them values)."""
         r = micro.response_length
         return self.token_values(micro)[:, -r - 1 : -1]
 
     def token_values(self, micro: Batch) -> Tensor:
-        """The model's output [b, T] (float32, the model's output space) at every position of a micro-batch of
-        input_ids / attention_mask / position_ids; padding positions are meaningless. Packed or padded, with
-        Ulysses, as configured."""
+        """The head's outputs [b, T(, outputs)] (float32; `objective.values` makes them values) at every position of
+        a micro-batch of input_ids / attention_mask / position_ids; padding positions are meaningless. Packed or
+        padded, with Ulysses, as configured."""
         with self._autocast():
             values = self._packed_token_values(micro) if self.use_remove_padding else self._token_values(micro)
         return values.float()

@@ -84,6 +84,12 @@ class MegatronPPOCritic(PPOCriticBase):
             )
         if self.config.ulysses_sequence_parallel_size != 1:
             raise ValueError("ulysses_sequence_parallel_size must be 1 for MegatronPPOCritic; use megatron TP")
+        self._use_objective()
+        if self.objective.outputs != 1:
+            raise ValueError(
+                f"vf_loss_type={self.config.vf_loss_type}: strategy=megatron builds a value head of one output per "
+                f"token, this objective needs {self.objective.outputs}; use a data-parallel strategy"
+            )
         chunks = list(critic_module) if isinstance(critic_module, list | tuple | nn.ModuleList) else [critic_module]
         self.critic_module = chunks
         self.critic_optimizer = critic_optimizer

@@ -140,6 +140,11 @@ def preserve_outputs(head: nn.Linear, old_mean: Tensor, old_std: Tensor, new_mea
     Works in place on plain, DDP and sharded (FSDP2 DTensor, FSDP1 flat-parameter views) parameters alike:
     every operation is elementwise.
     """
+    if head.out_features != 1:
+        raise ValueError(
+            f"value_norm: PopArt and the export's fold rescale a head of one output, this one has {head.out_features} "
+            "(its objective's values are not the output); use value_norm=running, or off"
+        )
     scale = (old_std / new_std).item()
     head.weight.copy_((head.weight.double() * scale).to(head.weight.dtype))
     if head.bias is None:

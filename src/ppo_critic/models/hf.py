@@ -1,7 +1,8 @@
 """Value models from transformers: `*ForTokenClassification(num_labels=1)`, any backbone + a linear head, or a
 caller-built TRL-style module with a `v_head`; optionally initialised from a reward model (backbone and head).
 
-Every value model returns one scalar per token; `token_values` reads it from the model's output.
+A value model's head gives `head_outputs` numbers per token (one by default; more for a distributional objective,
+`critics/objectives/`); `token_values` reads them from the model's output.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ REWARD_HEAD_PREFIXES = ("score.", "v_head.summary.", "v_head.", "value_head.")
 
 
 class ValueHead(nn.Linear):
-    """`Linear(hidden, 1)` computed in its own parameter dtype (e.g. fp32 under bf16 autocast).
+    """`Linear(hidden, outputs)` computed in its own parameter dtype (e.g. fp32 under bf16 autocast).
 
     A Linear subclass, so state-dict keys stay `<head>.weight` / `<head>.bias` as in HF checkpoints.
     """
@@ -42,13 +43,13 @@ class ValueHead(nn.Linear):
 class ValueModel(nn.Module):
     """Any transformers backbone (`AutoModel`) followed by a `ValueHead`: makes every architecture a critic."""
 
-    def __init__(self, backbone: nn.Module, head_dtype: torch.dtype | None = None):
+    def __init__(self, backbone: nn.Module, head_dtype: torch.dtype | None = None, outputs: int = 1):
         super().__init__()
         self.model = backbone
         self.config = backbone.config
         hidden = _text_config(backbone.config).hidden_size
         dtype = head_dtype or next(backbone.parameters()).dtype
-        self.score = ValueHead(hidden, 1, device=next(backbone.parameters()).device, dtype=dtype)
+        self.score = ValueHead(hidden, outputs, device=next(backbone.parameters()).device, dtype=dtype)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=False, **kwargs):
         from transformers.modeling_outputs import TokenClassifierOutput
@@ -73,6 +74,7 @@ def build_value_model(
     override_config: Mapping[str, Any] | None = None,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    head_outputs: int = 1,
 ) -> nn.Module:
     """A value model from a transformers config, a config dict (with `model_type`), a local path, or a module.
 
@@ -82,6 +84,7 @@ def build_value_model(
     `normal:<std>`). `from_reward_model:<dir>` instead loads the backbone *and* the head from a reward-model
     checkpoint (see `load_reward_model`), so the critic starts out predicting the reward model's score; `model`
     then only gives the architecture. Head dropout is 0. A caller-built module must expose a TRL-style `v_head`.
+    `head_outputs`: the head's outputs per token (the objective's, `critics/objectives/`).
     """
     if head not in HEAD_KINDS:
         raise ValueError(f"head={head!r} is unknown; expected one of {HEAD_KINDS}")
@@ -108,7 +111,7 @@ def build_value_model(
     config = _hf_config(model, trust_remote_code)
     for key, value in (override_config or {}).items():
         setattr(config, key, value)
-    config.num_labels, config.classifier_dropout, config.use_cache = 1, 0.0, False
+    config.num_labels, config.classifier_dropout, config.use_cache = head_outputs, 0.0, False
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     auto_cls = _auto_class(config, head)
@@ -124,7 +127,7 @@ def build_value_model(
         built = auto_cls.from_config(config, trust_remote_code=trust_remote_code).to(param_dtype)
         head_loaded = False
     if head == "generic" or auto_cls.__name__ == "AutoModel":
-        built = ValueModel(built, head_dtype)
+        built = ValueModel(built, head_dtype, head_outputs)
         head_loaded = head_file is not None and os.path.isfile(head_file)
         if head_loaded:
             from safetensors.torch import load_file
@@ -210,6 +213,8 @@ def load_reward_model(critic: nn.Module, path: str | os.PathLike) -> None:
         )
     parent, name = find_value_head(critic)
     linear: nn.Linear = getattr(parent, name)
+    if linear.out_features != 1:
+        raise ValueError(f"a reward model's scalar head cannot start a head of {linear.out_features} outputs per token")
     with torch.no_grad():
         linear.weight.copy_(weight)
         if linear.bias is not None:
@@ -236,17 +241,14 @@ def _read_weights(path: str) -> dict[str, Tensor]:
 
 
 def token_values(module: nn.Module, output: Any) -> Tensor:
-    """Per-token values [B, T] from a value model's output (TRL `v_head` tuple index 2, else `.logits`)."""
+    """Per-token head outputs from a value model's output (TRL `v_head` tuple index 2, else `.logits`): [B, T] for a
+    head of one output, [B, T, outputs] for more."""
     inner = getattr(module, "module", module)  # DDP / FSDP1 wrappers
     if hasattr(module, "v_head") or hasattr(inner, "v_head"):
         values = output[2]
     else:
         values = output.logits if hasattr(output, "logits") else output[0]
-    if values.dim() == 3:
-        if values.shape[-1] != 1:
-            raise ValueError(f"a value model must output one scalar per token; got logits of shape {values.shape}")
-        values = values.squeeze(-1)
-    return values
+    return values.squeeze(-1) if values.dim() == 3 and values.shape[-1] == 1 else values
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -261,20 +263,21 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def find_value_head(model: nn.Module) -> tuple[nn.Module, str]:
-    """(parent, attribute) of the `Linear(hidden, 1)` value head (looking through DDP / FSDP1 / peft wrappers)."""
+    """(parent, attribute) of the `Linear(hidden, outputs)` value head (looking through DDP / FSDP1 / peft
+    wrappers)."""
     model = unwrap(model)
     for name in HEAD_NAMES:
         head = getattr(model, name, None)
-        if isinstance(head, nn.Linear) and head.out_features == 1:
+        if isinstance(head, nn.Linear):
             return model, name
         if isinstance(head, nn.Module):
             copies = getattr(head, "modules_to_save", None)  # peft's wrapper: a frozen original beside the copy in use
             if isinstance(copies, nn.ModuleDict) and getattr(head, "active_adapters", None):
                 return copies, head.active_adapters[0]
             for sub_name, sub in head.named_children():
-                if isinstance(sub, nn.Linear) and sub.out_features == 1:
+                if isinstance(sub, nn.Linear):
                     return head, sub_name
-    raise ValueError(f"{type(model).__name__} has no Linear(hidden, 1) value head named one of {HEAD_NAMES}")
+    raise ValueError(f"{type(model).__name__} has no Linear value head named one of {HEAD_NAMES}")
 
 
 def _finish_head(model: nn.Module, init: str | None, head_dtype: torch.dtype | None) -> None:
@@ -283,7 +286,11 @@ def _finish_head(model: nn.Module, init: str | None, head_dtype: torch.dtype | N
     linear: nn.Linear = getattr(parent, name)
     if head_dtype is not None and (linear.weight.dtype != head_dtype or not isinstance(linear, ValueHead)):
         new = ValueHead(
-            linear.in_features, 1, bias=linear.bias is not None, device=linear.weight.device, dtype=head_dtype
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device=linear.weight.device,
+            dtype=head_dtype,
         )
         with torch.no_grad():
             new.weight.copy_(linear.weight)

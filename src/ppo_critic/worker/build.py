@@ -35,9 +35,10 @@ def worker_config(config: Any) -> CriticConfig:
     return CriticConfig.from_any(config, worker=True)
 
 
-def model_from_config(model: ModelConfig) -> nn.Module:
-    """The value model named by `model.path` (+ `override_config`), or built from `override_config` alone; with
-    LoRA adapters (only they and the value head trainable) when `model.lora_rank` > 0."""
+def model_from_config(model: ModelConfig, head_outputs: int = 1) -> nn.Module:
+    """The value model named by `model.path` (+ `override_config`), or built from `override_config` alone, its head
+    of `head_outputs` per token; with LoRA adapters (only they and the value head trainable) when `model.lora_rank`
+    > 0."""
     if model.external_lib:
         importlib.import_module(model.external_lib)
     if model.path is None and "model_type" not in model.override_config:
@@ -56,6 +57,7 @@ def model_from_config(model: ModelConfig) -> nn.Module:
             override_config=overrides if model.path is not None else None,
             attn_implementation=model.attn_implementation,
             trust_remote_code=model.trust_remote_code,
+            head_outputs=head_outputs,
         )
     except (MemoryError, RuntimeError, SafetensorError) as err:  # a model too large to allocate; damaged weights
         what = f"critic.model.path={model.path}" if model.path is not None else "critic.model.override_config"
@@ -70,7 +72,7 @@ def export_skeleton(model: ModelConfig, hf_config: Any) -> nn.Module:
     resolved `hf_config`, not from `model.path` (transformers 5 refuses `from_pretrained` on the meta device)."""
     shape = replace(model, path=None, override_config=hf_config.to_dict(), value_head_init="default")
     with torch.device("meta"):
-        return model_from_config(shape)
+        return model_from_config(shape, getattr(hf_config, "num_labels", 1))
 
 
 def param_groups(model: torch.nn.Module, optim: OptimConfig) -> list[dict[str, Any]]:

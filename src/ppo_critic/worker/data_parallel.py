@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from ppo_critic.config.critic import CriticConfig, RankSizes
 from ppo_critic.critics import DataParallelPPOCritic
+from ppo_critic.critics.objectives import objective_of
 from ppo_critic.models.hf import find_value_head
 from ppo_critic.models.lora import merged_model
 from ppo_critic.parallel.fsdp import parallelize
@@ -40,7 +41,8 @@ class DataParallelBackend:
         self.groups = layout.groups or parallel_groups(config.ulysses_sequence_parallel_size)
         sizes = layout.sizes or RankSizes.over_ranks(config, self.groups.dp_size)
         torch.manual_seed(seed)
-        model = model_from_config(config.model).to(self.device)  # same seed: same weights on every rank
+        outputs = objective_of(config).outputs  # the value head's outputs per token
+        model = model_from_config(config.model, outputs).to(self.device)  # same seed: same weights on every rank
         self.hf_config = model.config
         masters = low_precision(model, config)  # critic.param_dtype: before DDP, whose buckets take the dtype
         self.model = parallelize(model, config, self.device)

@@ -1,0 +1,67 @@
+"""Value objectives (DESIGN §3): what the value head outputs per token, how those outputs become values and the loss
+that trains them, chosen by name (`critic.vf_loss_type`) and built in one place, `objective_of`.
+
+An objective is a module of this package named as its `vf_loss_type` (listed in `config/modes.py: VF_LOSS_TYPES`)
+whose `build(config)` returns a `ValueObjective`; one defined elsewhere (a research script) is `register`ed instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from torch import Tensor
+
+from ppo_critic.config.critic import CriticConfig
+from ppo_critic.config.modes import VALUE_NORM_MODES, VF_LOSS_TYPES
+
+
+class ValueObjective:
+    """An objective: `outputs` per token from the head; `values` maps them into the model's output space (which
+    `value_norm` de-normalises); `loss` is the clipped value loss with its clipped fraction."""
+
+    outputs: int = 1
+    """the head's outputs per token"""
+    value_norms: tuple[str, ...] = VALUE_NORM_MODES
+    """the `critic.value_norm` modes it works with"""
+    identity: bool = True
+    """whether a value is the head's one output: PopArt and the export's fold rescale it, megatron and verl's engine
+    (whose own loss is the squared error) assume it"""
+
+    def values(self, outputs: Tensor) -> Tensor:
+        """Outputs [..., outputs] ([...] when there is one) → values [...]."""
+        return outputs
+
+    def loss(
+        self,
+        outputs: Tensor,
+        returns: Tensor,
+        old_values: Tensor,
+        response_mask: Tensor,
+        cliprange_value: float | None,
+        loss_agg_mode: str = "token-mean",
+        **norm,
+    ) -> tuple[Tensor, Tensor]:
+        """(loss over the global denominators `norm` of `agg_loss`, clipped fraction) of outputs [b, R(, outputs)]
+        against returns and old values [b, R], both in the model's output space."""
+        raise NotImplementedError
+
+
+Builder = Callable[[CriticConfig], ValueObjective]
+_REGISTERED: dict[str, Builder] = {}
+
+
+def register(name: str, build: Builder) -> None:
+    """Make `critic.vf_loss_type=name` select `build(config)`: an objective defined outside this package."""
+    _REGISTERED[name] = build
+    if name not in VF_LOSS_TYPES:
+        VF_LOSS_TYPES.append(name)
+
+
+def objective_of(config: CriticConfig) -> ValueObjective:
+    """The objective `config.vf_loss_type` names: a registered one, else the module of that name here."""
+    name = config.vf_loss_type
+    if name not in VF_LOSS_TYPES:
+        raise ValueError(f"vf_loss_type={name!r} is unknown; expected one of {tuple(VF_LOSS_TYPES)}")
+    build = _REGISTERED.get(name) or importlib.import_module(f"{__name__}.{name}").build
+    return build(config)

@@ -1,0 +1,68 @@
+"""vf_loss_type=bce: a Bernoulli value for 0/1 rewards (critics/objectives/bce.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_batch
+from ppo_critic import DataParallelPPOCritic
+from ppo_critic.config.critic import CriticConfig
+from ppo_critic.critics.objectives import objective_of
+
+BCE = objective_of(CriticConfig(vf_loss_type="bce"))
+
+
+def test_the_value_is_the_sigmoid_of_the_one_output():
+    z = torch.tensor([[-30.0, 0.0, 2.0]])
+    assert BCE.outputs == 1 and not BCE.identity
+    torch.testing.assert_close(BCE.values(z), torch.sigmoid(z), rtol=0, atol=0)
+
+
+def test_unclipped_the_loss_is_the_mean_cross_entropy_against_the_return_clipped_to_0_1():
+    z, mask = torch.randn(3, 4), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    returns = torch.tensor([[0.0, 1.0, 1.7, float("nan")], [-0.2, 1.0, 0.0, 0.0], [1.0, 0.0, 0.3, 1.0]])
+    loss, clipfrac = BCE.loss(z, returns, torch.full_like(z, 0.5), mask, None)
+    target = returns.clamp(0, 1)
+    expected = F.binary_cross_entropy_with_logits(z, target, reduction="none")[mask.bool()].mean()
+    torch.testing.assert_close(loss, expected)
+    assert clipfrac == 0
+
+
+def test_clipping_bounds_the_logit_around_the_old_values_and_stops_the_gradient_beyond():
+    old = torch.tensor([[0.5, 0.5]])
+    z = torch.tensor([[3.0, 0.1]], requires_grad=True)  # first: 3 logits from the old one; second: within 0.5
+    loss, clipfrac = BCE.loss(z, torch.tensor([[0.0, 1.0]]), old, torch.ones(1, 2), 0.5)
+    loss.backward()
+    assert clipfrac == 0  # the clipped logit 0.5 errs less than 3 against 0: the unclipped loss counts (max)
+    assert z.grad[0, 0] > 0 and z.grad[0, 1] < 0
+    z2 = torch.tensor([[-3.0]], requires_grad=True)  # moved away from 0 towards the target: clipped at -0.5
+    loss2, clipfrac2 = BCE.loss(z2, torch.tensor([[0.0]]), torch.tensor([[0.5]]), torch.ones(1, 1), 0.5)
+    loss2.backward()
+    torch.testing.assert_close(loss2, F.binary_cross_entropy_with_logits(torch.tensor(-0.5), torch.tensor(0.0)))
+    assert clipfrac2 == 1 and z2.grad.abs().sum() == 0
+    saturated, _ = BCE.loss(torch.tensor([[40.0]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.5)
+    assert torch.isfinite(saturated)  # an old value of exactly 1: its logit is clamped, the loss stays finite
+
+
+def test_a_critic_learns_bernoulli_values_of_0_1_rewards(tiny_qwen2):
+    model = tiny_qwen2()
+    config = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4, "vf_loss_type": "bce", "grad_clip": None}
+    critic = DataParallelPPOCritic(config, model, torch.optim.Adam(model.parameters(), lr=3e-3))
+    batch = make_batch(8, 6, 5, seed=0)
+    mask = batch["attention_mask"][:, -5:]
+    batch["returns"] = (torch.arange(8) % 2).float()[:, None].expand(8, 5) * mask
+    losses = []
+    for _ in range(12):
+        batch["values"] = critic.compute_values(batch)
+        losses.append(critic.update_critic(batch)["critic/vf_loss"])
+    values = critic.compute_values(batch)
+    assert ((values > 0) & (values < 1))[mask.bool()].all() and (values[~mask.bool()] == 0).all()
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_value_norm_is_refused():
+    with pytest.raises(ValueError, match="vf_loss_type=bce works with value_norm off, not running"):
+        model = torch.nn.Linear(1, 1)
+        DataParallelPPOCritic({"ppo_mini_batch_size": 2, "vf_loss_type": "bce", "value_norm": "running"}, model, None)
