@@ -21,10 +21,8 @@ from ppo_critic.algos import compute_gae_advantage_return, explained_variance, l
 from ppo_critic.config.train import TrainConfig, TrainerConfig, max_row_tokens, resolve_model
 from ppo_critic.parallel.mesh import init_distributed
 from ppo_critic.run import console, rundir
-from ppo_critic.run.checkpoint import complete_checkpoints
-from ppo_critic.run.files import write_file
-from ppo_critic.run.plots import plot_curves
-from ppo_critic.run.runlog import CURVES_FILE, METRICS_FILE, RunLog, read_metrics
+from ppo_critic.run.lifecycle import Run, config_yaml
+from ppo_critic.run.runlog import RunLog
 from ppo_critic.tasks import TASKS
 from ppo_critic.worker import CriticWorker
 
@@ -179,113 +177,63 @@ def train(
 
     The run directory has one writer (a lock); a new run never starts over an existing one (`overwrite` moves it
     aside); a resumed run starts from the newest checkpoint that verifies, with only the options of
-    `rundir.CHANGEABLE_ON_RESUME` allowed to differ from the saved ones. Under torchrun every rank trains its share;
-    the first rank alone writes files and prints. `on_step(step, metrics, train_s)` is called after every step
-    (benchmarks): `train_s` is the wall time spent in training iterations so far in this call. `targets` are what
-    the critic regresses on (default: `critic_returns`; benchmarks pass e.g. a task's exact values).
+    `rundir.changeable_on_resume` allowed to differ from the saved ones (`run.lifecycle.Run`). Under torchrun every
+    rank trains its share; the first rank alone writes files and prints. `on_step(step, metrics, train_s)` is called
+    after every step (benchmarks): `train_s` is the wall time spent in training iterations so far in this call.
+    `targets` are what the critic regresses on (default: `critic_returns`; benchmarks pass e.g. a task's exact values).
     """
-    from omegaconf import OmegaConf
-
-    t = cfg.trainer
-    run_dir = Path(t.run_dir)
-    if init_distributed(t.dist_timeout_s):  # under torchrun: every rank checks the others' options before any work
+    if init_distributed(cfg.trainer.dist_timeout_s):  # under torchrun: every rank checks the others' options first
         rundir.same_options(cfg.to_dict())
     source = FileSource(cfg) if cfg.data else TaskSource(cfg)
     cfg = resolve_model(cfg, source.vocab_size, source.max_length)
     worker = make_worker(cfg)
-    lead = worker.rank == 0
     out = out or sys.stdout
-    say = functools.partial(print, file=out) if lead else lambda *_: None  # the first rank alone prints
-    rundir.agree(lead, lambda: rundir.check_place(run_dir, "trainer.run_dir", own=run_dir))  # before it is created
-    lock = rundir.agree(lead, lambda: rundir.claim(run_dir, t.resume, overwrite, say))
-    try:
-        current = cfg.to_dict()
-        say(OmegaConf.to_yaml(OmegaConf.create(current)))
-        say(f"rollouts: {source.name}; evaluation: {source.eval_name or 'none (no evaluation set)'}")
-        changeable, why = rundir.changeable_on_resume(cfg.critic.strategy), rundir.why_fixed(cfg.critic.strategy)
-        changes = {}
-        if t.resume != "never":  # options that cannot change mid-run are refused before anything loads
-            changes = rundir.agree(lead, lambda: rundir.option_changes(run_dir, current, changeable, why)) or {}
-        resumed = rundir.resume(run_dir / "checkpoints", t.resume, functools.partial(_load, worker, source), say)
-        if resumed is not None:
-            say(f"resumed from {resumed} at step {worker.step}")
-            if "critic.optim.lr" in changes:
-                worker.set_learning_rate(cfg.critic.optim.lr)
-            if changes:
-                say("options changed on resume: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
-        if resumed is None and t.resume == "auto":
-            rundir.agree(lead, lambda: rundir.check_nothing_to_lose(run_dir))
-        if worker.step >= t.steps:
-            return _complete(worker, source, cfg, run_dir, say)
-        if lead:  # after a successful resume only: a refused or failed one leaves the run's files as they were
-            write_file(run_dir / rundir.CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(current)))
-            rundir.mark(run_dir)
-            if resumed is not None and changes:
-                rundir.record_changes(run_dir, worker.step, changes)
-        return _loop(worker, source, cfg, run_dir, out, on_step, targets)
-    except KeyboardInterrupt as interrupt:
-        done = [c for c in complete_checkpoints(run_dir / "checkpoints") if int(c.name[5:]) <= worker.step]
-        newest = done[-1] if done else None  # not a damaged newer one that resume skipped
-        where = f"step {newest.name.split('_')[-1].lstrip('0') or 0} ({newest})" if newest else "the start"
-        raise Interrupted(
-            f"interrupted at step {worker.step}; nothing partial was saved. Run the same command to resume from {where}"
-        ) from interrupt
-    finally:
-        if lock is not None:
-            lock.release()
+    say = functools.partial(print, file=out) if worker.rank == 0 else lambda *_: None  # the first rank alone prints
+    with Run(cfg.trainer, worker.rank == 0, say).claim(overwrite) as run:
+        try:
+            _resume(worker, source, cfg, run)
+            if worker.step >= cfg.trainer.steps:
+                return run.complete(worker.step, _exporter(worker), run_title(cfg, source), source.eval_name)
+            run.start(cfg.to_dict(), worker.step)
+            return _loop(worker, source, cfg, run, out, on_step, targets)
+        except KeyboardInterrupt as interrupt:
+            raise Interrupted(
+                f"interrupted at step {worker.step}; nothing partial was saved. Run the same command to resume from "
+                f"{run.resumes_from(worker.step)}"
+            ) from interrupt
 
 
 class Interrupted(RuntimeError):
     """Ctrl-C or SIGTERM during training: says which step a rerun resumes from."""
 
 
-def _load(worker: CriticWorker, source: TaskSource | FileSource, checkpoint: Path) -> Path:
+def _resume(worker: CriticWorker, source: TaskSource | FileSource, cfg: TrainConfig, run: Run) -> None:
+    """Say what runs, refuse options that cannot change, and resume from the checkpoint `trainer.resume` names."""
+    run.say(config_yaml(cfg.to_dict()))
+    run.say(f"rollouts: {source.name}; evaluation: {source.eval_name or 'none (no evaluation set)'}")
+    run.check_options(cfg.to_dict(), cfg.critic.strategy)
+    if run.resume(functools.partial(_load, worker, source, run.say)) is not None and "critic.optim.lr" in run.changes:
+        worker.set_learning_rate(cfg.critic.optim.lr)
+
+
+def _load(worker: CriticWorker, source: TaskSource | FileSource, say: Callable[[str], None], checkpoint: Path) -> Path:
     """Load `checkpoint` into the worker and the rollout source (nothing changes unless both accept it)."""
     tensors, state = worker.load_checkpoint(checkpoint, source.state()[0], check_state=source.check_state)
     source.load_state(tensors, state)
+    say(f"resumed from {checkpoint} at step {worker.step}")
     return checkpoint
 
 
-def _complete(
-    worker: CriticWorker, source: TaskSource | FileSource, cfg: TrainConfig, run_dir: Path, say: Callable[[str], None]
-) -> dict[str, float]:
-    """A run already at its last step: say so, with its final metrics. Nothing is written, unless the call that
-    saved the last checkpoint ended before the curves and the HF export (killed): they are written now."""
-    rows = read_metrics(run_dir / METRICS_FILE)
-    final = {k: v for k, v in (rows[-1] if rows else {}).items() if k != "step"}
-    if rundir.finished_step(run_dir) == worker.step or _finished_before_the_marker(run_dir, cfg.trainer):
-        say(console.summary("run complete", worker.step, final, source.eval_name) + f" | {run_dir} (nothing to do)")
-        return final
-    _finish(worker, source, cfg, run_dir)
-    say(console.summary("done", worker.step, final, source.eval_name) + f" | {run_dir} (curves and export written)")
-    return final
-
-
-def _finished_before_the_marker(run_dir: Path, t: TrainerConfig) -> bool:
-    """A run written before the marker recorded its finish: finished when what it would write at the end is there."""
-    if (run_dir / rundir.MARKER).is_file():
-        return False
-    curves = "jsonl" not in t.logger or (run_dir / CURVES_FILE).is_file()
-    return curves and (not t.export_hf or (run_dir / "hf").is_dir())
-
-
-def _finish(worker: CriticWorker, source: TaskSource | FileSource, cfg: TrainConfig, run_dir: Path) -> None:
-    """What a run writes once at its last step: the curves, the HF export, and in its marker that both are done."""
-    t = cfg.trainer
-    lead = worker.rank == 0
-    if lead and "jsonl" in t.logger:
-        plot_curves(run_dir / METRICS_FILE, run_dir / CURVES_FILE, run_title(cfg, source), source.eval_name)
-    if t.export_hf:
-        worker.export_hf(run_dir / "hf", replace=True)  # the run's own export, written by an earlier call
-    if lead:
-        rundir.mark(run_dir, finished_step=worker.step)
+def _exporter(worker: CriticWorker) -> Callable[[Path], Path]:
+    """The run's HF export: into its own `hf`, replacing one an earlier call of the run wrote."""
+    return functools.partial(worker.export_hf, replace=True)
 
 
 def _loop(
     worker: CriticWorker,
     source: TaskSource | FileSource,
     cfg: TrainConfig,
-    run_dir: Path,
+    run: Run,
     out: Any,
     on_step: Callable[[int, dict[str, float], float], None] | None,
     targets: Targets,
@@ -293,8 +241,7 @@ def _loop(
     """Steps from the worker's current one to `trainer.steps`: metrics, evaluation, checkpoints, the HF export."""
     t = cfg.trainer
     lead = worker.rank == 0
-    ckpt_root = run_dir / "checkpoints"
-    log = RunLog(run_dir, worker.step, t.logger, t.project_name, t.experiment_name, cfg.to_dict()) if lead else None
+    log = RunLog(run.path, worker.step, t.logger, t.project_name, t.experiment_name, cfg.to_dict()) if lead else None
     metrics: dict[str, float] = {}
     mode = console.mode_for(lead and "console" in t.logger, t.progress, out)
     progress = console.Progress(mode, t.steps, worker.step, t.log_every, out)
@@ -314,14 +261,13 @@ def _loop(
                 on_step(step, metrics, train_s)
             if (t.save_every and step % t.save_every == 0) or step == t.steps:
                 tensors, state = source.state()
-                worker.save_checkpoint(ckpt_root, tensors, state, keep_last_n=t.keep_last_n or None)
+                worker.save_checkpoint(run.checkpoints, tensors, state, keep_last_n=t.keep_last_n or None)
     finally:
         progress.close()
         if log is not None:
             log.close()
-    _finish(worker, source, cfg, run_dir)
-    if lead:
-        print(console.summary("done", worker.step, metrics, source.eval_name) + f" | {run_dir}", file=out)
+    run.finish(worker.step, _exporter(worker), run_title(cfg, source), source.eval_name)
+    run.say(console.summary("done", worker.step, metrics, source.eval_name) + f" | {run.path}")
     return metrics
 
 
