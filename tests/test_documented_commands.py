@@ -1,7 +1,8 @@
-"""Every shell command the user is shown runs as written: the ```bash blocks of README.md and the examples of
-`ppo-critic --help` (`ppo_critic.cli.EXAMPLES`).
+"""Every shell command the user is shown runs as written: the ```bash blocks of README.md and of the documents
+under docs/ (`DOCUMENTS`; docs/QUALITY.md's research record is left out, see `NOT_RUN`) and the examples of
+`ppo-critic --help` (`ppo_critic.cli.EXAMPLES`). A command moved from the README into docs/ stays tested.
 
-Finding the commands: the lines of each ```bash block of README.md, and the indented lines after `examples:` in
+Finding the commands: the lines of each ```bash block of those documents, and the indented lines after `examples:` in
 `cli.EXAMPLES` up to the first blank line; physical lines are joined over trailing backslashes, `#` comments are
 stripped (a `#` at the start of a word, outside quotes, as bash reads it), runs of spaces count as one, and a line
 is cut at `&&` and `;` into its commands. Identical commands documented in several places are one test (its id
@@ -24,7 +25,7 @@ How each command is rewritten to run here, minimally (`rewrite`; the failure mes
 - `bench`: `repeats=1` replaces any repeat count (the command is tested, not its numbers); sizes are kept.
 - The megatron backend (`backend=megatron`, `critic.strategy=megatron`, a bench path `megatron`): megatron-core
   0.16 needs CUDA ("Torch not compiled with CUDA enabled" on CPU), so `-m ppo_critic` is run through a launcher
-  that applies the test-only CPU redirect `tests/megatron_cpu.py` (README, "Testing on CPU") and then runs
+  that applies the test-only CPU redirect `tests/megatron_cpu.py` (docs/parallel.md, "Testing on CPU") and then runs
   `ppo_critic` as `__main__` with the same arguments.
 
 Working directories: each command runs in a fresh directory of its own holding what commands refer to:
@@ -63,6 +64,12 @@ DEFAULT_RUN_DIR = "runs/default"  # trainer.run_dir's default (pinned against Tr
 MULTI_NODE_FLAGS = ("--nnodes", "--node_rank", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--rdzv_conf")
 MULTI_NODE_FLAGS += ("--master_addr", "--master_port")
 PYTHONS = ("python", "python3")
+# documents whose ```bash blocks are not run, and why
+NOT_RUN = {
+    "docs/QUALITY.md": "the ablation's research record (bench/ablation.py runs of hours each), not commands to try",
+}
+DOCUMENTS = ["README.md", *(p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "docs").glob("*.md")))]
+DOCUMENTS = [name for name in DOCUMENTS if name not in NOT_RUN]
 
 # --------------------------------------------------------------------------------------------------------------
 # What is not run, and why: (reason, does this command get it?) — checked in order; the first match wins.
@@ -71,6 +78,7 @@ SETUP = "environment setup (creating and entering the virtual environment, insta
 CI = "CI's own lint and test steps (`pytest -q` would run this file again, as would tests/with_gpu_stack); CI runs them"
 VERL = "verl: its test suites (CI runs tests/with_verl/run.sh itself) and verl's own trainer (needs verl, Ray, GPUs)"
 CUDA = "needs CUDA, which this machine does not have"
+GENERATE = "rewrites docs/options.md in this repository; tests/test_docs.py checks the file is what it writes"
 
 
 def _is_setup(argv: list[str]) -> bool:
@@ -90,7 +98,7 @@ def _is_verl(argv: list[str]) -> bool:
 def _needs_cuda(argv: list[str]) -> bool:
     return any(re.fullmatch(r"(\S*\.)?device=cuda(:\d+)?", a) for a in argv) or any(
         "offload=true" in a for a in argv
-    )  # FSDP2 CPU offload: CUDA + torchrun only (README)
+    )  # FSDP2 CPU offload: CUDA + torchrun only (docs/python.md)
 
 
 SKIP_RULES = (
@@ -98,6 +106,7 @@ SKIP_RULES = (
     (CI, lambda argv: argv[0] in ("ruff", "pytest") or argv[:2] == ["bash", "tests/with_gpu_stack/run.sh"]),
     (VERL, _is_verl),
     (CUDA, _needs_cuda),
+    (GENERATE, lambda argv: argv[0] in PYTHONS and argv[1:3] == ["-m", "ppo_critic.config.reference"]),
 )
 
 # The commands skipped today, as documented. A new documented command that a rule skips fails the inventory test
@@ -117,6 +126,7 @@ EXPECTED_SKIPPED = {
     "bash tests/with_verl/run.sh 0.9.1": VERL,
     "python -m verl.trainer.main_ppo algorithm.adv_estimator=gae critic.strategy=fsdp2 ...": VERL,
     "python -m verl.trainer.main_ppo algorithm.adv_estimator=gae critic.strategy=ppo_critic ...": VERL,
+    "python -m ppo_critic.config.reference > docs/options.md": GENERATE,
 }
 
 # --------------------------------------------------------------------------------------------------------------
@@ -126,7 +136,7 @@ EXPECTED_SKIPPED = {
 @dataclass
 class Documented:
     text: str  # the command as documented (one logical line, comment stripped, one command of an && chain)
-    where: list[str] = field(default_factory=list)  # "README.md:12", "cli.EXAMPLES:3"
+    where: list[str] = field(default_factory=list)  # "README.md:12", "docs/verl.md:30", "cli.EXAMPLES:3"
 
     @property
     def id(self) -> str:
@@ -181,14 +191,15 @@ def logical_commands(lines: list[tuple[int, str]], source: str) -> list[Document
     return found
 
 
-def readme_commands() -> list[Documented]:
+def document_commands(name: str) -> list[Documented]:
+    """The commands of the ```bash blocks of one document (`name` relative to the repository)."""
     lines, inside = [], False
-    for number, line in enumerate((ROOT / "README.md").read_text().splitlines(), start=1):
+    for number, line in enumerate((ROOT / name).read_text(encoding="utf-8").splitlines(), start=1):
         if line.strip().startswith("```"):
             inside = line.strip() == "```bash"
         elif inside:
             lines.append((number, line))
-    return logical_commands(lines, "README.md")
+    return logical_commands(lines, name)
 
 
 def help_example_commands() -> list[Documented]:
@@ -203,9 +214,9 @@ def help_example_commands() -> list[Documented]:
 
 
 def documented_commands() -> list[Documented]:
-    """README's commands, then --help's, each once (documented in several places: the places are listed)."""
+    """The documents' commands, then --help's, each once (documented in several places: the places are listed)."""
     by_text: dict[str, Documented] = {}
-    for command in readme_commands() + help_example_commands():
+    for command in [*(c for name in DOCUMENTS for c in document_commands(name)), *help_example_commands()]:
         if command.text in by_text:
             by_text[command.text].where += command.where
         else:
@@ -471,9 +482,10 @@ def test_documented_commands_are_run_or_skipped_as_expected():
         f"  newly skipped: {sorted(set(skipped.items()) - set(EXPECTED_SKIPPED.items()))}\n"
         f"  no longer skipped (or documented): {sorted(set(EXPECTED_SKIPPED.items()) - set(skipped.items()))}"
     )
-    # both sources are read: a change of README's or --help's format must not make their commands vanish
-    for source in ("README.md", "cli.EXAMPLES"):
+    # every source is read: a change of a document's or --help's format must not make their commands vanish
+    for source in ("README.md", "docs/parallel.md", "docs/performance.md", "cli.EXAMPLES"):
         assert any(w.startswith(source) for c in RUNNABLE for w in c.where), f"no runnable command found in {source}"
+    assert "docs/verl.md" in DOCUMENTS and all((ROOT / name).is_file() for name in NOT_RUN)
     runnable_and_skipped = [c.text for c in RUNNABLE if c.text in skipped]
     assert not runnable_and_skipped, f"a command both runs and is skipped: {runnable_and_skipped}"
 
