@@ -50,9 +50,9 @@ class Run:
         if self.lock is not None:
             self.lock.release()
 
-    def _agree(self, action: Callable[[], T]) -> T | None:
+    def _agree(self, action: Callable[[], T], share: bool = False) -> T | None:
         """`action()` on the first rank, its error raised on every rank (`rundir.agree`)."""
-        return rundir.agree(self.lead, action)
+        return rundir.agree(self.lead, action, share)
 
     def claim(self, overwrite: bool) -> Run:
         """Refuse a place where the run would touch another run's files, then lock it: a new run never starts over
@@ -63,10 +63,11 @@ class Run:
 
     def check_options(self, options: dict[str, Any], strategy: str) -> dict[str, list[Any]]:
         """The options that differ from the saved run's, before anything loads: refused (every key listed) unless
-        `rundir.changeable_on_resume(strategy)`."""
+        `rundir.changeable_on_resume(strategy)`; every rank gets them (each applies a new rate to its optimizer)."""
         if self.trainer.resume != "never":
             changeable, why = rundir.changeable_on_resume(strategy), rundir.why_fixed(strategy)
-            self.changes = self._agree(lambda: rundir.option_changes(self.path, options, changeable, why)) or {}
+            changes = self._agree(lambda: rundir.option_changes(self.path, options, changeable, why), share=True)
+            self.changes = changes or {}
         return self.changes
 
     def resume(self, load: Callable[[Path], T]) -> T | None:

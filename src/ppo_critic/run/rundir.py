@@ -73,9 +73,9 @@ def same_options(options: dict[str, Any]) -> None:
         raise ValueError(f"the ranks were started with different options ({listed}); start every rank alike")
 
 
-def agree(lead: bool, action: Callable[[], T]) -> T | None:
+def agree(lead: bool, action: Callable[[], T], share: bool = False) -> T | None:
     """`action()` on the first rank; its error, if any, raised on every rank (under torchrun). Returns the
-    result on the first rank, None elsewhere."""
+    result on the first rank; elsewhere None, or with `share` the first rank's result (one every rank acts on)."""
     import torch.distributed as dist
 
     result, error = None, None
@@ -85,9 +85,9 @@ def agree(lead: bool, action: Callable[[], T]) -> T | None:
         except (OSError, ValueError) as err:
             error = err
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
+        box = [error, result if share else None]
         dist.broadcast_object_list(box, src=0)
-        error = box[0]
+        error, result = box[0], box[1] if share else result
     if error is not None:
         raise error
     return result
