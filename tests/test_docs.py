@@ -22,7 +22,7 @@ DOCS = ROOT / "docs"
 README_MAX_LINES = 250
 PARAGRAPH_MAX_WORDS = 80
 # issue 40: still to reflow — written before the 80-word rule; checked for links, not yet for paragraph length
-NOT_YET_REFLOWED = ("docs/DESIGN.md", "docs/QUALITY.md", "docs/RELIABILITY.md", "BENCHMARKS.md")
+NOT_YET_REFLOWED = ("docs/QUALITY.md", "BENCHMARKS.md")
 LINKED = ("README.md", "BENCHMARKS.md", *(p.relative_to(ROOT).as_posix() for p in sorted(DOCS.glob("*.md"))))
 WORD_LIMITED = tuple(name for name in LINKED if name not in NOT_YET_REFLOWED)
 
