@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("lever", choices=["hl_gauss", "horizon"])
     p.add_argument("--tasks", nargs="+", required=True)
     p.add_argument("--seeds", nargs="*", type=int, default=[0])
-    p.add_argument("--base", default=None, help="the suite configuration to patch (default: the default recipe)")
+    p.add_argument("--base", default=None, help="the suite configuration (default: the default recipe)")
     p.add_argument("--bins", type=int, default=51)
     p.add_argument("--low", type=float, default=-4.0)
     p.add_argument("--high", type=float, default=4.0)

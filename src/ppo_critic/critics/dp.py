@@ -113,7 +113,8 @@ class DataParallelPPOCritic(PPOCriticBase):
 
     def _check_head(self) -> None:
         """The value head gives the objective's outputs per token and, under PopArt, has a bias (a model that names
-        no head is taken as it is, but PopArt needs one)."""
+        no head is taken as it is, but PopArt needs one). An objective whose values are not the head's output is
+        named in the model's HF config (`ppo_critic_vf_loss_type`), so an HF export says how to read its head."""
         popart = self.value_norm.mode == "popart"
         try:
             head = getattr(*find_value_head(self.critic_module))
@@ -128,6 +129,9 @@ class DataParallelPPOCritic(PPOCriticBase):
             )
         if popart and head.bias is None:
             raise ValueError("value_norm=popart needs a value head with a bias (the mean shift goes there)")
+        hf_config = getattr(unwrap(self.critic_module), "config", None)
+        if not self.objective.identity and hf_config is not None:  # an HF export holds the head as it is: say so
+            hf_config.ppo_critic_vf_loss_type = self.config.vf_loss_type
 
     def _packs(self) -> bool:
         """`model.use_remove_padding` resolved: auto packs unless the model cannot run packed rows (attention that

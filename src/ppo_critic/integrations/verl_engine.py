@@ -183,8 +183,13 @@ class PPOCriticEngine(BaseEngine):
             loss_fn = self._micro_loss(data, loss_function, report)
         results = critic.forward_backward(batch, groups, loss_fn, backward=train)
         self._finite += [torch.isfinite(m.loss) for m in results if m.loss is not None]
-        values = map_flat(values_in_order(results, batch["attention_mask"]), critic.value_norm.denormalise)
+        values = map_flat(values_in_order(results, batch["attention_mask"]), self._raw_values)
         return {"model_output": {"values": values}, "loss": report.losses(), "metrics": self._metrics(report, train)}
+
+    def _raw_values(self, outputs: Tensor) -> Tensor:
+        """The head's outputs as raw values: the objective's values (mse's, the outputs: verl's own value_loss trains
+        them, and vf_loss_type is refused), de-normalised under `value_norm`."""
+        return self._critic.value_norm.denormalise(self._critic.objective.values(outputs))
 
     def _micro_batches(self, data: TensorDict, batch: Batch, train: bool) -> list[list[int]]:
         """The row groups of the mini-batch: verl's per-call `use_dynamic_bsz`, `micro_batch_size_per_gpu` and

@@ -104,3 +104,23 @@ def test_megatron_refuses_an_objective_of_several_outputs():
     config = CriticConfig.from_any({"ppo_mini_batch_size": 2, "vf_loss_type": "test_hl_gauss"})
     with pytest.raises(ValueError, match="strategy=megatron builds a value head of one output per token"):
         MegatronPPOCritic.of(config, RankSizes.as_given(config, 1), [torch.nn.Linear(2, 1)], object())
+
+
+def test_the_export_holds_a_head_of_several_outputs_as_it_is_and_names_its_objective(tmp_path):
+    """value_norm off: the head exported as it is, its objective in config.json; a critic of that objective built
+    from the export gives the same values. Under value_norm the fold refuses it (test above)."""
+    from transformers import AutoConfig
+
+    from conftest import TINY
+    from ppo_critic.worker import CriticWorker
+
+    register("test_hl_gauss", lambda config: _screens().HLGauss(7, -2.0, 2.0, 0.75))
+    config = {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2, "vf_loss_type": "test_hl_gauss"}
+    worker = CriticWorker(config | {"model": {"override_config": {"model_type": "qwen2", **TINY}}}, total_steps=1)
+    batch = make_batch(4, 6, 5, seed=1)
+    worker.update_critic(batch)
+    worker.export_hf(tmp_path / "export")
+    exported = AutoConfig.from_pretrained(tmp_path / "export")
+    assert exported.num_labels == 7 and exported.ppo_critic_vf_loss_type == "test_hl_gauss"
+    again = CriticWorker(config | {"model": {"path": str(tmp_path / "export")}})
+    torch.testing.assert_close(again.compute_values(batch), worker.compute_values(batch), rtol=1e-5, atol=1e-5)
