@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,3 +68,19 @@ def test_value_norm_is_refused():
     with pytest.raises(ValueError, match="vf_loss_type=bce works with value_norm off, not running"):
         model = torch.nn.Linear(1, 1)
         DataParallelPPOCritic({"ppo_mini_batch_size": 2, "vf_loss_type": "bce", "value_norm": "running"}, model, None)
+
+
+def test_megatron_gives_the_data_parallel_critics_bernoulli_values_and_update(tmp_path):
+    """The megatron critic (TP = PP = 1, one process) takes its loss and values from the objective too."""
+    pytest.importorskip("megatron.core")
+    from distributed.test_layouts import torchrun
+    from distributed.test_megatron import BASE, HERE, reference
+
+    reference(tmp_path / "reference.pt", {"bce": BASE | {"vf_loss_type": "bce"}})
+    out = tmp_path / "out.json"
+    argv = (str(HERE / "megatron_worker.py"), str(tmp_path / "reference.pt"), str(out), str(tmp_path / "export"))
+    result = torchrun(*argv, nproc=1, env={"MEGATRON_LAYOUTS": "tp1pp1"})
+    assert result.returncode == 0, result.stderr[-6000:]
+    (row,) = json.loads(out.read_text())
+    assert row["round_trip_exact"] and row["values_max_abs"] <= 1e-4 and row["values_after_max_abs"] <= 1e-4, row
+    assert row["update_rel"] <= 1e-4 and row["metric_rel"] <= 1e-4 and row["skipped"] == 0, row
