@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README_MAX_LINES = 250
 PARAGRAPH_MAX_WORDS = 80
-# issue 40: still to reflow — written before the 80-word rule; checked for links, not yet for paragraph length
-NOT_YET_REFLOWED = ("docs/QUALITY.md", "BENCHMARKS.md")
+# issue 40: still to reflow — BENCHMARKS.md (at the root, beside the README; its numbers come with the bench runs) was
+# written before the 80-word rule: checked for links, not yet for paragraph length
+NOT_YET_REFLOWED = ("BENCHMARKS.md",)
 LINKED = ("README.md", "BENCHMARKS.md", *(p.relative_to(ROOT).as_posix() for p in sorted(DOCS.glob("*.md"))))
 WORD_LIMITED = tuple(name for name in LINKED if name not in NOT_YET_REFLOWED)
 
