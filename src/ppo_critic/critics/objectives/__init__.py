@@ -25,8 +25,8 @@ class ValueObjective:
     value_norms: tuple[str, ...] = VALUE_NORM_MODES
     """the `critic.value_norm` modes it works with"""
     identity: bool = True
-    """whether a value is the head's one output: PopArt and the export's fold rescale it, megatron and verl's engine
-    (whose own loss is the squared error) assume it"""
+    """whether a value is the head's one output, as PopArt and verl's engine (whose own loss is the squared error)
+    assume; an HF export of any other objective is named in its config (`ppo_critic_vf_loss_type`)"""
 
     def values(self, outputs: Tensor) -> Tensor:
         """Outputs [..., outputs] ([...] when there is one) → values [...]."""
