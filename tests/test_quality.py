@@ -331,7 +331,8 @@ def test_the_ablation_script_runs_configurations_and_tabulates_them():
 
 
 def test_the_ablations_larger_model_and_profiled_work():
-    """The `@128x4` configurations are their namesakes on hidden 128 x 4 layers; `profiled` sums operator time."""
+    """The `@128x4` configurations are their namesakes on hidden 128 x 4 layers; `profile_steps` sums the operator
+    time of each iteration, from one `on_step` to the next."""
     from ppo_critic.cli import load_config
 
     ablation = _ablation()
@@ -340,12 +341,14 @@ def test_the_ablations_larger_model_and_profiled_work():
         shape = large.critic.model.override_config
         assert (shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]) == (128, 512, 4)
         assert large.trainer == small.trainer and large.critic.optim == small.critic.optim
-    assert ablation.iteration_of("truth_default@128x4") is ablation._truth_iteration
     measured: list[dict] = []
-    x = torch.randn(256, 256)
-    assert ablation.profiled(lambda *_: {"m": float((x @ x).sum())}, measured)(None, None, None).keys() == {"m"}
-    (one,) = measured
-    assert 0 < one["seconds"] < 10 and one["flops"] == 2 * 256**3 and one["calls"] >= 2  # the product, the sum
+    watch, x = ablation.profile_steps(1, 2, measured), torch.randn(256, 256)
+    for step in range(3):  # after step 0 iteration 1 runs, after step 1 iteration 2; iteration 3 is not profiled
+        watch(step)
+        float((x @ x).sum())
+    assert len(measured) == 2
+    for one in measured:
+        assert 0 < one["seconds"] < 10 and one["flops"] == 2 * 256**3 and one["calls"] >= 2  # the product, the sum
 
 
 def test_the_ablation_baselines_are_verls_critic_whatever_ppo_critic_train_defaults_to():
@@ -371,18 +374,20 @@ def test_the_ablation_baselines_are_verls_critic_whatever_ppo_critic_train_defau
 
 
 def test_the_ablations_ceiling_regresses_on_the_true_values():
+    from ppo_critic.cli import load_config
     from ppo_critic.config.train import TrainerConfig
     from ppo_critic.tasks import DenseTask
+    from ppo_critic.train import critic_returns
 
     ablation = _ablation()
-    task, seen = DenseTask(), {}
+    task = DenseTask()
     batch = task.sample(4, torch.Generator().manual_seed(0))
-    source = type("Source", (), {"task": task, "next_batch": lambda self: dict(batch)})()
-    worker = type("Worker", (), {"compute_values": lambda self, b: torch.zeros_like(b["token_level_rewards"]),
-                                 "update_critic": lambda self, b: seen.update(b) or {}})()  # fmt: skip
-    ablation._truth_iteration(worker, source, TrainerConfig(gamma=0.9))
-    assert torch.equal(seen["returns"], task.true_values(batch, 0.9))
-    assert not torch.equal(seen["returns"], batch["true_values"])  # those are at gamma 1
+    cfg = load_config(None, [*ablation.CONFIGS["truth_default@128x4"][1], "task.name=dense"])
+    targets = ablation.targets_of("truth_default@128x4", cfg)
+    returns = targets(batch, torch.zeros_like(batch["token_level_rewards"]), TrainerConfig(gamma=0.9), 0)
+    assert torch.equal(returns, task.true_values(batch, 0.9))
+    assert not torch.equal(returns, batch["true_values"])  # those are at gamma 1
+    assert ablation.targets_of(ablation.DEFAULT, cfg) is critic_returns  # what `ppo-critic train` regresses on
     truths = {f"truth_lr{lr}" for lr in ablation.BASELINE_LRS} | {"truth_default"}
     assert truths | {"truth_default" + ablation.LARGER} == ablation.TRUTH
     assert ablation.CONFIGS["truth_default"][1] == ablation.CONFIGS[ablation.DEFAULT][1]
@@ -395,26 +400,21 @@ def test_the_exact_bootstrap_configurations_bootstrap_from_the_true_values():
     from ppo_critic.tasks import DenseTask
 
     ablation = _ablation()
-    task, seen = DenseTask(), {}
+    task = DenseTask()
     batch = task.sample(8, torch.Generator().manual_seed(0))
-    critic = torch.full_like(batch["token_level_rewards"], 0.25)
-    source = type("Source", (), {"task": task, "next_batch": lambda self: dict(batch)})()
-    worker = type("Worker", (), {"step": 0, "compute_values": lambda self, b: critic,
-                                 "update_critic": lambda self, b: seen.update(b) or {}})()  # fmt: skip
-    assert ablation.iteration_of("exactboot_lam0") is ablation._exact_bootstrap_iteration
-    trainer = load_config(None, [*ablation.CONFIGS["exactboot_lam0"][1], "trainer.gamma=0.9"]).trainer
-    ablation._exact_bootstrap_iteration(worker, source, trainer)
+    critic = torch.full_like(batch["token_level_rewards"], 0.25)  # the old values of the clipped loss stay these
+    cfg = load_config(None, [*ablation.CONFIGS["exactboot_lam0"][1], "trainer.gamma=0.9", "task.name=dense"])
+    returns = ablation.targets_of("exactboot_lam0", cfg)(batch, critic, cfg.trainer, 0)
     mask, exact = batch["response_mask"].bool(), task.true_values(batch, 0.9)
     following = torch.cat([exact[:, 1:], torch.zeros_like(exact[:, :1])], 1) * mask.roll(-1, 1) * mask
     expected = torch.where(mask, batch["token_level_rewards"] + 0.9 * following, 0.0)
-    torch.testing.assert_close(seen["returns"], expected, rtol=0, atol=1e-6)  # float32 sums of exact values
-    assert torch.equal(seen["values"], critic)
-    trainer = load_config(None, [*ablation.CONFIGS["exactboot_default"][1], "trainer.gamma=0.9"]).trainer
-    ablation._exact_bootstrap_iteration(worker, source, trainer)
+    torch.testing.assert_close(returns, expected, rtol=0, atol=1e-6)  # float32 sums of exact values
+    cfg = load_config(None, [*ablation.CONFIGS["exactboot_default"][1], "trainer.gamma=0.9", "task.name=dense"])
+    returns = ablation.targets_of("exactboot_default", cfg)(batch, critic, cfg.trainer, 0)
     from ppo_critic.train import critic_returns
 
-    assert torch.equal(seen["returns"], critic_returns(batch, exact, trainer, 0))
-    assert not torch.equal(seen["returns"], critic_returns(batch, critic, trainer, 0))
+    assert torch.equal(returns, critic_returns(batch, exact, cfg.trainer, 0))
+    assert not torch.equal(returns, critic_returns(batch, critic, cfg.trainer, 0))
 
 
 def _append_runs(ablation_dir: str, first: int) -> None:
