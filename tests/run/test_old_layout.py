@@ -161,7 +161,7 @@ def test_export_of_the_old_run_loads(commands):
         config.pop("transformers_version", None)
     assert configs[0] == configs[1]
 
-    # README: a token-classification critic loads with AutoModelForTokenClassification.from_pretrained(out_dir)
+    # docs/usage.md: a token-classification critic loads with AutoModelForTokenClassification.from_pretrained(out_dir)
     model, info = AutoModelForTokenClassification.from_pretrained(out, output_loading_info=True)
     assert type(model).__name__ == "Qwen2ForTokenClassification"
     assert not any(info.values()), info

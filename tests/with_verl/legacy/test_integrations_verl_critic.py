@@ -75,7 +75,7 @@ def test_one_micro_batch_per_mini_batch_gives_verls_update_and_metrics(base_mode
     assert len(verl_metrics["critic/grad_norm"]) == 3
     mean_norm = sum(verl_metrics["critic/grad_norm"]) / 3
     assert our_metrics["critic/grad_norm"] == pytest.approx(mean_norm, rel=SAME)
-    # verl's vf_loss is the sum of the steps' losses; ours is their mean (README: "Use it inside verl")
+    # verl's vf_loss is the sum of the steps' losses; ours is their mean (docs/verl.md: "Use it inside verl 0.7")
     assert our_metrics["critic/vf_loss"] * 3 == pytest.approx(verl_metrics["critic/vf_loss"], rel=SAME)
 
 
