@@ -70,7 +70,7 @@ def test_each_rank_takes_its_share_of_every_mini_batch_and_of_a_short_last_one()
 
 def _rank_view(rank: int, dp_size: int) -> SimpleNamespace:
     """What `CriticWorker._shard` reads of a worker: its DP size and rank."""
-    return SimpleNamespace(dp_size=dp_size, groups=SimpleNamespace(dp_rank=rank))
+    return SimpleNamespace(dp_size=dp_size, layout=SimpleNamespace(dp_rank=rank))
 
 
 def test_model_needs_a_path_or_a_full_config():

@@ -17,7 +17,8 @@ from cuda_contract import check_collective_devices
 from layouts_worker import full_params
 from ppo_critic import DataParallelPPOCritic
 from ppo_critic.parallel.fsdp import shard
-from ppo_critic.parallel.mesh import init_distributed, parallel_groups
+from ppo_critic.parallel.layout import data_parallel_layout
+from ppo_critic.parallel.mesh import init_distributed
 
 LAYOUTS = ({"ppo_micro_batch_size_per_gpu": 2}, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 12})
 
@@ -26,10 +27,10 @@ def main() -> None:
     ref_path, out_path, sp = sys.argv[1], sys.argv[2], int(sys.argv[3])
     init_distributed(timeout_s=120)
     checked = check_collective_devices()
-    groups = parallel_groups(sp)
+    ranks = data_parallel_layout(sp)
     ref = torch.load(ref_path, weights_only=False)
-    batch = {k: v[groups.dp_rank :: groups.dp_size] for k, v in ref["batch"].items()}
-    mini = len(ref["batch"]["input_ids"]) // groups.dp_size
+    batch = {k: v[ranks.dp_rank :: ranks.dp] for k, v in ref["batch"].items()}
+    mini = len(ref["batch"]["input_ids"]) // ranks.dp
     results = []
     for name, entry in ref["models"].items():
         for mode, expected in entry["updates"].items():
@@ -47,7 +48,7 @@ def main() -> None:
                 dist.all_gather(parts, values)
                 full = torch.zeros_like(entry["values"])
                 for r, part in enumerate(parts):
-                    full[(r // sp) :: groups.dp_size] = part
+                    full[(r // sp) :: ranks.dp] = part
                 critic.update_critic(batch)
                 params = full_params(model)
                 delta = torch.cat([(params[k] - v).flatten() for k, v in expected["before"].items()])

@@ -24,6 +24,7 @@ from ppo_critic.critics.value_norm import ValueNormalizer
 from ppo_critic.data.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
 from ppo_critic.data.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_rows
 from ppo_critic.parallel import collectives
+from ppo_critic.parallel.layout import ParallelLayout
 
 UPDATE_KEYS = (*MODEL_KEYS, "response_mask", *TARGET_KEYS, MULTI_MODAL)
 
@@ -157,7 +158,7 @@ class Perf:
 class PPOCriticBase:
     """The backend-independent critic: epochs → mini-batches → micro-batches → one step (DESIGN §3).
 
-    A backend sets `config`, `sizes` (this rank's), `device`, `dp_group`, `dp_size`, `sp_size` and `perf`, calls
+    A backend sets `config`, `sizes` (this rank's), `device`, `layout` (its groups and sizes) and `perf`, calls
     `_use_objective` (the loss, and how head outputs become values), and implements `_values` (the head's outputs
     from the forward of all micro-batches), `_train_mini_batch`, `set_training` and `learning_rate`. The public
     step-level calls (`check_token_ids`, `micro_batches`, `all_reduce`, `set_training`, `learning_rate`, and the
@@ -169,9 +170,7 @@ class PPOCriticBase:
     config: CriticConfig
     sizes: RankSizes
     device: torch.device
-    dp_group: Any = None
-    dp_size: int = 1
-    sp_size: int = 1
+    layout: ParallelLayout = ParallelLayout()  # the backend's: dp, sp, tp, pp sizes, this rank's place, groups
     micro_batch_multiple: int = 1  # the micro-batch count is rounded up to a multiple of this (megatron VPP)
     perf: Perf
     vocab_size: int | None = None  # the embedding's rows, when the backend knows them
@@ -179,6 +178,21 @@ class PPOCriticBase:
     value_norm: ValueNormalizer = ValueNormalizer("off")  # a backend supporting `critic.value_norm` sets its own
     ema: ParameterEMA | None = None  # a backend supporting `critic.ema_decay` sets its own
     objective: ValueObjective  # `critic.vf_loss_type`'s, set by `_use_objective`
+
+    @property
+    def dp_group(self) -> Any:
+        """The data-parallel process group (`layout.dp_group`; None in a single process)."""
+        return self.layout.dp_group
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks (`layout.dp`): the ranks that see different rows."""
+        return self.layout.dp
+
+    @property
+    def sp_size(self) -> int:
+        """The Ulysses ranks one sequence is split over (`layout.sp`)."""
+        return self.layout.sp
 
     @torch.no_grad()
     def compute_values(self, data: Any) -> Tensor:

@@ -26,8 +26,9 @@ from ppo_critic.data.packing import pack
 from ppo_critic.models.attention import packed_blocker, use_packed_attention
 from ppo_critic.models.hf import find_value_head, token_values, unwrap
 from ppo_critic.parallel.fsdp import average_plain_gradients, clip_grad_norm
+from ppo_critic.parallel.layout import ParallelLayout, layout_of
 from ppo_critic.parallel.master_weights import float32_weights, masters_of
-from ppo_critic.parallel.mesh import Groups, compute_dtype, parallel_groups
+from ppo_critic.parallel.mesh import compute_dtype
 from ppo_critic.parallel.ulysses import check_heads_of, gather_sequence, sequence_parallel
 
 log = logging.getLogger(__name__)
@@ -64,31 +65,45 @@ class DataParallelPPOCritic(PPOCriticBase):
 
     def __init__(self, config: Any, critic_module: nn.Module, critic_optimizer: torch.optim.Optimizer):
         """verl's constructor: `config` in any form (checked here) with this rank's sizes, as verl's workers hand it
-        over; the process groups from torch.distributed."""
+        over; the layout from torch.distributed's default group."""
         config = CriticConfig.from_any(config)
-        groups = parallel_groups(config.ulysses_sequence_parallel_size)
-        self._build(config, RankSizes.as_given(config, groups.dp_size), groups, critic_module, critic_optimizer)
+        layout = layout_of(config).per_rank()
+        self._build(config, layout.rank_sizes(config), layout, critic_module, critic_optimizer)
 
     @classmethod
     def of(
-        cls, config: CriticConfig, sizes: RankSizes, groups: Groups, module: nn.Module, optimizer: torch.optim.Optimizer
+        cls,
+        config: CriticConfig,
+        sizes: RankSizes,
+        layout: ParallelLayout,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
     ) -> DataParallelPPOCritic:
-        """For a caller that checked `config` and built the sizes and groups (`CriticWorker`): nothing re-derived."""
+        """For a caller that checked `config` and built the layout and its sizes (`CriticWorker`): nothing
+        re-derived."""
         critic = cls.__new__(cls)
-        critic._build(config, sizes, groups, module, optimizer)
+        critic._build(config, sizes, layout, module, optimizer)
         return critic
 
     def _build(
-        self, config: CriticConfig, sizes: RankSizes, groups: Groups, critic_module: nn.Module, critic_optimizer: Any
+        self,
+        config: CriticConfig,
+        sizes: RankSizes,
+        layout: ParallelLayout,
+        critic_module: nn.Module,
+        critic_optimizer: Any,
     ) -> None:
-        self.config, self.sizes, self.groups = config, sizes, groups
+        if layout.sp != config.ulysses_sequence_parallel_size:
+            raise ValueError(
+                f"ulysses_sequence_parallel_size={config.ulysses_sequence_parallel_size} but the layout has "
+                f"sp={layout.sp}; build the layout with ppo_critic.parallel.layout.layout_of(config)"
+            )
+        self.config, self.sizes, self.layout = config, sizes, layout
         self.critic_module = critic_module
         self.critic_optimizer = critic_optimizer
         self.device = next(critic_module.parameters()).device
         self.compute_dtype = compute_dtype(self.config.torch_dtype_name, self.device)
-        self.sp_size = self.config.ulysses_sequence_parallel_size
         self.use_remove_padding = self._packs()
-        self.dp_group, self.dp_size = self.groups.dp_group, self.groups.dp_size
         if self.sp_size > 1:
             check_heads_of(critic_module, self.sp_size)
         self.value_norm = ValueNormalizer(self.config.value_norm, self.device)
@@ -105,7 +120,7 @@ class DataParallelPPOCritic(PPOCriticBase):
         inner = unwrap(critic_module)  # DDP / FSDP1 / peft
         hf_config = getattr(inner, "config", None)
         shape = ModelShape.from_hf(hf_config) if hf_config is not None else None
-        self.perf = Perf(shape, self.groups.world_size, self.device, self.compute_dtype)
+        self.perf = Perf(shape, self.layout.data_ranks, self.device, self.compute_dtype)
         if hasattr(inner, "get_input_embeddings"):
             self.vocab_size = inner.get_input_embeddings().num_embeddings
         if self.use_remove_padding:  # last: a rejected config leaves the model as it was
@@ -193,7 +208,7 @@ class DataParallelPPOCritic(PPOCriticBase):
         with metrics.timer("collective"):
             norm = self._loss_denominators(mini_batch)
         # gradients are averaged over all dp × sp ranks; each sp rank holds part of the same loss
-        norm |= {"dp_size": self.groups.world_size, "loss_scale_factor": cfg.loss_scale_factor}
+        norm |= {"dp_size": self.layout.data_ranks, "loss_scale_factor": cfg.loss_scale_factor}
 
         def value_loss(micro: Batch, rows: list[int], token_values: Tensor) -> Tensor:
             vpreds = token_values[:, -micro.response_length - 1 : -1]
@@ -204,7 +219,7 @@ class DataParallelPPOCritic(PPOCriticBase):
         results = self.forward_backward(mini_batch, groups, value_loss, timer=metrics.timer)
         step_loss = sum((m.loss for m in results), torch.zeros((), device=self.device))
         grad_norm = self.optimizer_step(self._loss_finite_everywhere(step_loss), metrics.timer)
-        metrics.add_step(step_loss / self.groups.world_size, grad_norm)
+        metrics.add_step(step_loss / self.layout.data_ranks, grad_norm)
 
     def forward_backward(
         self,
@@ -240,7 +255,7 @@ class DataParallelPPOCritic(PPOCriticBase):
         decision to step."""
         timed = timer or _untimed
         with timed("collective"):
-            average_plain_gradients(self.critic_module, self.groups.world_size)
+            average_plain_gradients(self.critic_module, self.layout.data_ranks)
         with timed("optimizer"):
             norm = clip_grad_norm(self.critic_module, self.config.grad_clip, self.critic_optimizer)  # param_dtype: fp32
             grad_norm = nan_unless(loss_is_finite, norm)
@@ -291,16 +306,16 @@ class DataParallelPPOCritic(PPOCriticBase):
             return packed.unpack(token_values(self.critic_module, output))
         if multi_modal:
             raise ValueError("multi_modal_inputs with ulysses_sequence_parallel_size > 1 are not supported; use sp=1")
-        sp_rank = torch.distributed.get_rank(self.groups.sp_group)
+        sp_rank = self.layout.sp_rank
         with self.sequence_parallel():
             output = self.critic_module(**packed.model_kwargs(self.sp_size, sp_rank), use_cache=False)
-            values = gather_sequence(token_values(self.critic_module, output), self.groups.sp_group)
+            values = gather_sequence(token_values(self.critic_module, output), self.layout.sp_group)
         return packed.unpack(values[:, : packed.input_ids.shape[1]])
 
     def sequence_parallel(self) -> contextlib.AbstractContextManager:
         """The Ulysses group for the packed attention, around the forward and around the backward too: gradient
         checkpointing recomputes the forward of each layer during the backward, all-to-alls included."""
-        return sequence_parallel(self.groups.sp_group) if self.sp_size > 1 else contextlib.nullcontext()
+        return sequence_parallel(self.layout.sp_group) if self.sp_size > 1 else contextlib.nullcontext()
 
     def _multi_modal_kwargs(self, micro: Batch) -> dict[str, Tensor]:
         """Per-sample `multi_modal_inputs` (e.g. pixel_values, image_grid_thw) concatenated in row order."""

@@ -29,6 +29,7 @@ from ppo_critic.data.batching import restore_order
 from ppo_critic.data.packing import CompactBatch, compact
 from ppo_critic.models.hf import unwrap
 from ppo_critic.parallel.collectives import broadcast_
+from ppo_critic.parallel.layout import ParallelLayout
 
 # (micro-batch, whether it holds real rows, its values [b, R]) -> the loss to backpropagate
 MicroBatchFn = Callable[[Batch, bool, Tensor], Tensor]
@@ -57,24 +58,40 @@ class MegatronPPOCritic(PPOCriticBase):
         critic_optimizer: Any = None,
         critic_optimizer_config: Any = None,
     ):
-        from megatron.core import parallel_state as ps
+        from ppo_critic.parallel import megatron as mp
 
         config = CriticConfig.from_any(config)
-        sizes = RankSizes.as_given(config, ps.get_data_parallel_world_size())
+        sizes = mp.layout().per_rank().rank_sizes(config)  # verl's workers hand this rank's sizes
         self._build(config, sizes, critic_module, critic_optimizer, tf_config)
 
     @classmethod
-    def of(cls, config: CriticConfig, sizes: RankSizes, module: list[nn.Module], optimizer: Any) -> MegatronPPOCritic:
-        """For a caller that checked `config` and derived the sizes (`CriticWorker`): nothing re-derived."""
+    def of(
+        cls,
+        config: CriticConfig,
+        sizes: RankSizes,
+        module: list[nn.Module],
+        optimizer: Any,
+        layout: ParallelLayout | None = None,
+    ) -> MegatronPPOCritic:
+        """For a caller that checked `config` and derived the layout and sizes (`CriticWorker`): nothing
+        re-derived."""
         critic = cls.__new__(cls)
-        critic._build(config, sizes, module, optimizer, None)
+        critic._build(config, sizes, module, optimizer, None, layout)
         return critic
 
     def _build(
-        self, config: CriticConfig, sizes: RankSizes, critic_module: Any, critic_optimizer: Any, tf_config: Any
+        self,
+        config: CriticConfig,
+        sizes: RankSizes,
+        critic_module: Any,
+        critic_optimizer: Any,
+        tf_config: Any,
+        layout: ParallelLayout | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
+
+        from ppo_critic.parallel import megatron as mp
 
         self.config, self.sizes = config, sizes
         if critic_module is None or critic_optimizer is None:
@@ -97,11 +114,8 @@ class MegatronPPOCritic(PPOCriticBase):
         self.tf_config.finalize_model_grads_func = _finalize_model_grads
         self.tf_config.grad_scale_func = critic_optimizer.scale_loss
         self.device = next(chunks[0].parameters()).device
-        self.dp_group, self.dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
-        self.pp_group, self.pp_size = (
-            ps.get_pipeline_model_parallel_group(),
-            ps.get_pipeline_model_parallel_world_size(),
-        )
+        self.layout = layout or mp.layout()  # megatron's groups, wrapped
+        self.pp_group, self.pp_size = ps.get_pipeline_model_parallel_group(), self.layout.pp
         self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         # The interleaved (VPP) schedule needs a multiple of PP micro-batches, and one tensor shape for all of

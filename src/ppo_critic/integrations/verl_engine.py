@@ -24,17 +24,17 @@ from verl.utils.metric import AggregationType, Metric
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 
-from ppo_critic.config.critic import CriticConfig, RankSizes
+from ppo_critic.config.critic import CriticConfig
 from ppo_critic.config.env import OPTIONS_ENV, with_options
 from ppo_critic.config.verl import engine_section, to_mapping
 from ppo_critic.critics.dp import MicroLoss, MicroResult
 from ppo_critic.data.batch import MULTI_MODAL, Batch
 from ppo_critic.data.batching import check_token_budget
-from ppo_critic.parallel.mesh import parallel_groups, select_device
+from ppo_critic.parallel.layout import layout_of
+from ppo_critic.parallel.mesh import select_device
 from ppo_critic.parallel.offload import PhaseOffload
 from ppo_critic.run.checkpoint import delete_checkpoint, latest_checkpoint
 from ppo_critic.worker import CriticWorker, worker_config
-from ppo_critic.worker.build import Layout
 
 BACKEND = "ppo_critic"
 # ppo-critic options that verl decides under this engine (its worker cuts mini-batches, its loss is verl's), and what a
@@ -90,8 +90,9 @@ class PPOCriticEngine(BaseEngine):
         self.config = engine_critic_config(model_config, engine_config, optimizer_config)
         self.device = select_device("auto")
         self.phases = PhaseOffload.of(self.config.model.fsdp_config, self.device)
-        # verl's worker asks for the data-parallel rank before `initialize`: the groups exist from here on
-        self.groups = parallel_groups(self.config.ulysses_sequence_parallel_size)
+        # verl's worker asks for the data-parallel rank before `initialize`: the groups exist from here on; it cuts
+        # the mini-batches, so the engine's sizes are this rank's already
+        self.layout = layout_of(self.config).per_rank()
         self.worker: CriticWorker | None = None
         self.mode: str | None = None
         self._finite: list[Tensor] = []  # per micro-batch of this step, on the device: read once, at the step
@@ -102,10 +103,8 @@ class PPOCriticEngine(BaseEngine):
         if self.worker is None:
             total = getattr(self.optimizer_config, "total_training_steps", None)
             seed = getattr(self.engine_config, "seed", 0) or 0
-            # verl's worker cuts the mini-batches: the engine's sizes are this rank's already; its groups exist
-            layout = Layout(self.groups, RankSizes.as_given(self.config, self.groups.dp_size))
             total = total if total and total > 0 else None
-            self.worker = CriticWorker(self.config, total_steps=total, seed=seed, layout=layout)
+            self.worker = CriticWorker(self.config, total_steps=total, seed=seed, layout=self.layout)
 
     @property
     def is_param_offload_enabled(self) -> bool:
@@ -227,7 +226,7 @@ class PPOCriticEngine(BaseEngine):
         """The mini-batch's metrics as verl's worker collects them; under `value_norm` the predictions' mean in raw
         space (as ppo-critic's own critic reports it) and, in training, the return statistics."""
         norm = self._critic.value_norm
-        metrics = report.metrics(self._critic.all_reduce, self.groups.dp_size)
+        metrics = report.metrics(self._critic.all_reduce, self.layout.dp)
         if norm.enabled and VPRED_MEAN in metrics:
             mean = torch.tensor(metrics[VPRED_MEAN][0], dtype=torch.float64)
             metrics[VPRED_MEAN] = [float(norm.denormalise(mean.to(norm.mean.device)))]
@@ -241,7 +240,7 @@ class PPOCriticEngine(BaseEngine):
         and the metrics verl reads are the mini-batch's. Gradients are averaged over all dp × sp ranks, and under
         Ulysses each sp rank backpropagates its slice of the loss: the backward gets the loss times sp."""
         tokens = self._critic.all_reduce(data["loss_mask"].sum().double().to(self.device))
-        assign = {"batch_num_tokens": float(tokens), "dp_size": self.groups.dp_size}
+        assign = {"batch_num_tokens": float(tokens), "dp_size": self.layout.dp}
         if tu.get_non_tensor_data(data, "global_batch_size", None) is None:
             rows = torch.tensor(float(len(data)), dtype=torch.float64, device=self.device)
             assign["global_batch_size"] = float(self._critic.all_reduce(rows))
@@ -264,17 +263,17 @@ class PPOCriticEngine(BaseEngine):
         data["values"] = map_flat(data["values"], lambda values: norm.normalise_old_values(values, served))
 
     def get_data_parallel_size(self) -> int:
-        return self.groups.dp_size
+        return self.layout.dp
 
     def get_data_parallel_rank(self) -> int:
-        return self.groups.dp_rank
+        return self.layout.dp_rank
 
     def get_data_parallel_group(self) -> Any:
-        return self.groups.dp_group
+        return self.layout.dp_group
 
     def is_mp_src_rank_with_outputs(self) -> bool:
         """One rank per sequence-parallel group reports (they all hold the same outputs)."""
-        return self.groups.sp_group is None or torch.distributed.get_rank(self.groups.sp_group) == 0
+        return self.layout.sp_rank == 0
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
         """verl's manual placement, whatever the offload settings: parameters (their gradients travel with them) and

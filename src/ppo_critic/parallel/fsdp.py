@@ -1,7 +1,8 @@
 """Data-parallel wrapping applied to a plain model (torchtitan style), and gradient clipping that fits it.
 
-`parallelize(model, config, device)`: gradient checkpointing, then per-layer compile, then `shard`. `shard(model,
-strategy, device)`: `none`, `ddp`, `fsdp` (FSDP1) or `fsdp2` (`fully_shard` per decoder layer, then the root).
+`parallelize(model, config, device, layout)`: gradient checkpointing, then per-layer compile, then `shard` over the
+layout's mesh. `shard(model, strategy, device)`: `none`, `ddp`, `fsdp` (FSDP1) or `fsdp2` (`fully_shard` per decoder
+layer, then the root).
 Build the optimizer *after* wrapping: FSDP replaces the parameters.
 """
 
@@ -14,13 +15,17 @@ from ppo_critic.config.critic import STRATEGIES, CriticConfig
 from ppo_critic.models.compile import compile_decoder_layers
 from ppo_critic.models.hf import ValueHead, find_value_head
 from ppo_critic.parallel.collectives import all_reduce_, served_device_types
+from ppo_critic.parallel.layout import ParallelLayout
 from ppo_critic.parallel.master_weights import MasterWeightOptimizer
 from ppo_critic.parallel.mesh import BACKEND_CUDA, compute_dtype, default_dtype
 
 
-def parallelize(model: nn.Module, config: CriticConfig, device: torch.device) -> nn.Module:
+def parallelize(
+    model: nn.Module, config: CriticConfig, device: torch.device, layout: ParallelLayout | None = None
+) -> nn.Module:
     """`model` made ready to train as `config` says, in the one order that works: gradient checkpointing, then
-    `torch.compile` per decoder layer, then `shard` in the compute dtype (FSDP2 wraps the compiled layers)."""
+    `torch.compile` per decoder layer, then `shard` in the compute dtype over `layout`'s dp × sp ranks (FSDP2 wraps
+    the compiled layers); no layout: over the default process group."""
     settings = config.model
     if settings.enable_gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -30,7 +35,8 @@ def parallelize(model: nn.Module, config: CriticConfig, device: torch.device) ->
         compile_decoder_layers(model)
     policy = bool(settings.fsdp_config.get("offload_policy", False))
     dtype = compute_dtype(config.torch_dtype_name, device)
-    return shard(model, config.strategy, device, dtype, offload_policy=policy)
+    mesh = layout.shard_mesh if layout is not None else None
+    return shard(model, config.strategy, device, dtype, offload_policy=policy, mesh=mesh)
 
 
 def shard(
@@ -39,8 +45,10 @@ def shard(
     device: torch.device,
     param_dtype: torch.dtype | None = None,
     offload_policy: bool = False,
+    mesh: object | None = None,
 ) -> nn.Module:
-    """Wrap `model` for data parallelism over the default process group (a no-op without one, or for `none`).
+    """Wrap `model` for data parallelism over the ranks of the 1-D DeviceMesh `mesh` (None: the default process
+    group); a no-op without a process group, or for `none`.
 
     `param_dtype` is the compute dtype (default: `mesh.default_dtype`, as the critic's): FSDP2 gathers the parameters
     in it for the forward and backward and reduces gradients in float32; a value head of a dtype of its own
@@ -66,10 +74,12 @@ def shard(
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        group = mesh.get_group() if mesh is not None else None
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, process_group=group)
     if strategy == "fsdp":
-        return _apply_fsdp1(model, device)
-    return _apply_fsdp2(model, param_dtype or default_dtype(device), offload_policy)
+        return _apply_fsdp1(model, device, mesh)
+    return _apply_fsdp2(model, param_dtype or default_dtype(device), offload_policy, mesh)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -92,10 +102,14 @@ def check_cpu_backend() -> None:
         )
 
 
-def _apply_fsdp2(model: nn.Module, param_dtype: torch.dtype, offload_policy: bool = False) -> nn.Module:
+def _apply_fsdp2(
+    model: nn.Module, param_dtype: torch.dtype, offload_policy: bool = False, mesh: object | None = None
+) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     kwargs: dict = {"offload_policy": CPUOffloadPolicy()} if offload_policy else {}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
     policy = _mixed_precision(param_dtype)
     for layer in _decoder_layers(model):
         fully_shard(layer, mp_policy=policy, **kwargs)
@@ -135,13 +149,14 @@ def _outputs_not_views(module: nn.Module, args: object, output: object) -> objec
     return output
 
 
-def _apply_fsdp1(model: nn.Module, device: torch.device) -> nn.Module:
+def _apply_fsdp1(model: nn.Module, device: torch.device, mesh: object | None = None) -> nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     layer_types = {type(layer) for layer in _decoder_layers(model)}
     return FullyShardedDataParallel(
         model,
+        process_group=mesh.get_group() if mesh is not None else None,
         auto_wrap_policy=ModuleWrapPolicy(layer_types) if layer_types else None,
         sharding_strategy=ShardingStrategy.FULL_SHARD,
         device_id=device,

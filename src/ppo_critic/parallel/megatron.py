@@ -22,6 +22,7 @@ from ppo_critic.models.megatron import (
     megatron_to_hf,
     to_te_names,
 )
+from ppo_critic.parallel.layout import ParallelLayout
 from ppo_critic.parallel.mesh import init_distributed
 
 
@@ -58,6 +59,23 @@ def initialize(megatron: MegatronConfig, timeout_s: float = 600.0) -> None:
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(megatron.seed)
+
+
+def layout() -> ParallelLayout:
+    """megatron's TP × PP × DP groups (after `initialize`) as a `ParallelLayout`: its groups wrapped, not re-created."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    return ParallelLayout(
+        dp=ps.get_data_parallel_world_size(),
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        vpp=vpp or 1,
+        dp_rank=ps.get_data_parallel_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_group=ps.get_data_parallel_group(),
+    )
 
 
 def load_hf_weights(chunks: list[nn.Module], hf: Mapping[str, Tensor], shapes: Shapes) -> None:

@@ -1,8 +1,6 @@
-"""Device selection, torchrun process groups and the (dp, sp) layout of ranks."""
+"""Device selection, the default compute dtype and torchrun's process group (the layout of ranks: `layout.py`)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -61,45 +59,3 @@ def init_distributed(timeout_s: float = 600.0) -> bool:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(BACKEND_CUDA if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return True
-
-
-@dataclass(frozen=True)
-class Groups:
-    """Who works with whom: data parallelism over `dp` (different data), Ulysses over `sp` (same data, split
-    sequences). Ranks are laid out (dp, sp), so the ranks of one sp group are consecutive."""
-
-    dp_group: object | None = None
-    dp_size: int = 1
-    dp_rank: int = 0
-    sp_group: object | None = None
-    sp_size: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_size * self.sp_size
-
-
-def parallel_groups(sp_size: int = 1) -> Groups:
-    """The (dp, sp) groups of the default process group; a single process gets `Groups()`."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        if sp_size != 1:
-            raise ValueError(
-                f"ulysses_sequence_parallel_size={sp_size} needs {sp_size} processes per sequence; launch with torchrun"
-            )
-        return Groups()
-    world = dist.get_world_size()
-    if world % sp_size:
-        raise ValueError(f"world size {world} is not divisible by ulysses_sequence_parallel_size={sp_size}")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
-    return Groups(
-        dp_group=mesh["dp"].get_group(),
-        dp_size=world // sp_size,
-        dp_rank=mesh["dp"].get_local_rank(),
-        sp_group=mesh["sp"].get_group(),
-        sp_size=sp_size,
-    )

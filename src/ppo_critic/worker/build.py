@@ -1,33 +1,23 @@
 """What both backends of a `CriticWorker` build the same way: the checked config, the HF value model, the
 optimizer's parameter groups, the torch optimizer (over float32 master weights under `critic.param_dtype`) and the LR
-schedule."""
+schedule. (The parallel layout each backend builds is `parallel.layout.ParallelLayout`.)"""
 
 from __future__ import annotations
 
 import importlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from torch import Tensor, nn
 
-from ppo_critic.config.critic import CriticConfig, ModelConfig, OptimConfig, RankSizes
+from ppo_critic.config.critic import CriticConfig, ModelConfig, OptimConfig
 from ppo_critic.models.hf import build_value_model, find_value_head
 from ppo_critic.models.lora import apply_lora
 from ppo_critic.parallel.master_weights import MasterWeightOptimizer, store_in
-from ppo_critic.parallel.mesh import Groups
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What a caller that cuts its own mini-batches and built its own process groups (verl ≥ 0.9's engine) hands a
-    worker; None: the worker builds the groups and divides the config's global sizes over the DP ranks."""
-
-    groups: Groups | None = None
-    sizes: RankSizes | None = None
 
 
 def worker_config(config: Any) -> CriticConfig:

@@ -17,8 +17,9 @@ from torch import Tensor
 
 from ppo_critic.data.batch import Batch
 from ppo_critic.parallel.collectives import all_gather_rows
+from ppo_critic.parallel.layout import ParallelLayout
 from ppo_critic.parallel.offload import PhaseOffload
-from ppo_critic.worker.build import Layout, lr_schedule, worker_config
+from ppo_critic.worker.build import lr_schedule, worker_config
 from ppo_critic.worker.data_parallel import DataParallelBackend
 from ppo_critic.worker.megatron import MegatronBackend
 
@@ -35,21 +36,30 @@ class CriticWorker:
         device: str = "auto",
         seed: int = 0,
         dist_timeout_s: float = 600.0,
-        layout: Layout | None = None,
+        layout: ParallelLayout | None = None,
     ):
         self.config = worker_config(config)
         optim = self.config.optim
         factor = lr_schedule(optim, optim.total_training_steps if optim.total_training_steps > 0 else total_steps)
         backend = MegatronBackend if self.config.strategy == "megatron" else DataParallelBackend
-        self.backend = backend(self.config, device, seed, dist_timeout_s, layout or Layout())
+        self.backend = backend(self.config, device, seed, dist_timeout_s, layout)
         self.model, self.optimizer, self.critic = self.backend.model, self.backend.optimizer, self.backend.critic
-        self.device, self.groups, self.hf_config = self.backend.device, self.backend.groups, self.backend.hf_config
-        self.dp_group, self.dp_size = self.groups.dp_group, self.groups.dp_size
+        self.device, self.layout, self.hf_config = self.backend.device, self.backend.layout, self.backend.hf_config
         self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.backend.scheduled, factor)
         self.step = 0
         self.offload, self.phases = self.backend.offload, PhaseOffload.of(self.config.model.fsdp_config, self.device)
         self.offload.to_host(model=self.phases.params, optimizer=self.phases.optimizer)  # at rest until a call
+
+    @property
+    def dp_group(self) -> Any:
+        """The data-parallel process group (`layout.dp_group`)."""
+        return self.layout.dp_group
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks global batches are sharded over (`layout.dp`)."""
+        return self.layout.dp
 
     def compute_values(self, batch: Any) -> Tensor:
         """Values of the whole (global) batch, in input order, on every rank; each rank computes a 1/DP share."""
@@ -146,7 +156,7 @@ class CriticWorker:
                 f"least {self.dp_size} rows"
             )
         blocks = torch.arange(batch_size).split(block)
-        return torch.cat([rows.tensor_split(self.dp_size)[self.groups.dp_rank] for rows in blocks])
+        return torch.cat([rows.tensor_split(self.dp_size)[self.layout.dp_rank] for rows in blocks])
 
 
 def _checks(path: str | Path, caller: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None]:

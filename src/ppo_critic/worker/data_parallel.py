@@ -11,18 +11,18 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ppo_critic.config.critic import CriticConfig, RankSizes
+from ppo_critic.config.critic import CriticConfig
 from ppo_critic.critics import DataParallelPPOCritic
 from ppo_critic.critics.objectives import objective_of
 from ppo_critic.models.hf import find_value_head
 from ppo_critic.models.lora import merged_model
 from ppo_critic.parallel.fsdp import parallelize
+from ppo_critic.parallel.layout import ParallelLayout, layout_of
 from ppo_critic.parallel.master_weights import float32_weights
-from ppo_critic.parallel.mesh import init_distributed, parallel_groups, select_device
+from ppo_critic.parallel.mesh import init_distributed, select_device
 from ppo_critic.parallel.offload import Offloader
 from ppo_critic.run.checkpoint import export_hf, load_checkpoint, save_checkpoint
 from ppo_critic.worker.build import (
-    Layout,
     build_optimizer,
     export_skeleton,
     low_precision,
@@ -34,21 +34,23 @@ from ppo_critic.worker.build import (
 class DataParallelBackend:
     """Model, optimizer, critic and checkpoint layout for the data-parallel strategies."""
 
-    def __init__(self, config: CriticConfig, device: str, seed: int, dist_timeout_s: float, layout: Layout):
+    def __init__(
+        self, config: CriticConfig, device: str, seed: int, dist_timeout_s: float, layout: ParallelLayout | None
+    ):
         self.config = config
         init_distributed(dist_timeout_s)  # under torchrun: a rank stuck longer than this in a collective fails
         self.device = select_device(device)  # after: torchrun's LOCAL_RANK is the current device by then
-        self.groups = layout.groups or parallel_groups(config.ulysses_sequence_parallel_size)
-        sizes = layout.sizes or RankSizes.over_ranks(config, self.groups.dp_size)
+        self.layout = layout or layout_of(config)
+        sizes = self.layout.rank_sizes(config)
         torch.manual_seed(seed)
         outputs = objective_of(config).outputs  # the value head's outputs per token
         model = model_from_config(config.model, outputs).to(self.device)  # same seed: same weights on every rank
         self.hf_config = model.config
         masters = low_precision(model, config)  # critic.param_dtype: before DDP, whose buckets take the dtype
-        self.model = parallelize(model, config, self.device)
+        self.model = parallelize(model, config, self.device, self.layout)
         self.optimizer = build_optimizer(param_groups(self.model, config.optim), config.optim, masters)
         self.scheduled = self.optimizer  # the torch optimizer whose rates the LR schedule sets
-        self.critic = DataParallelPPOCritic.of(config, sizes, self.groups, self.model, self.optimizer)
+        self.critic = DataParallelPPOCritic.of(config, sizes, self.layout, self.model, self.optimizer)
         average = [] if self.critic.ema is None else [self.critic.ema.average]  # moves with the parameters
         self.offload = Offloader(self.model, self.optimizer, self.device, average)
 

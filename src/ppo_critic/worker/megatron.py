@@ -13,23 +13,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ppo_critic.config.critic import CriticConfig, ModelConfig, RankSizes
+from ppo_critic.config.critic import CriticConfig, ModelConfig
 from ppo_critic.critics import MegatronPPOCritic
 from ppo_critic.models.hf import unwrap
 from ppo_critic.models.megatron import Shapes, build_megatron_value_model, check_supported, transformer_config
 from ppo_critic.parallel import megatron as mp
-from ppo_critic.parallel.mesh import Groups, compute_dtype, select_device
+from ppo_critic.parallel.layout import ParallelLayout
+from ppo_critic.parallel.mesh import compute_dtype, select_device
 from ppo_critic.parallel.offload import Offloader
 from ppo_critic.run.checkpoint import export_hf, load_state_dicts, save_state_dicts
-from ppo_critic.worker.build import Layout, export_skeleton, model_from_config
+from ppo_critic.worker.build import export_skeleton, model_from_config
 
 
 class MegatronBackend:
     """Model chunks, megatron optimizer, critic and per-rank checkpoint layout for `strategy: megatron`."""
 
-    def __init__(self, config: CriticConfig, device: str, seed: int, dist_timeout_s: float, layout: Layout):
-        from megatron.core import parallel_state as ps
-
+    def __init__(
+        self, config: CriticConfig, device: str, seed: int, dist_timeout_s: float, layout: ParallelLayout | None
+    ):
         self.config, mcfg = config, config.megatron
         torch.manual_seed(seed)
         hf_model = model_from_config(config.model)  # same seed: same weights on every rank
@@ -37,14 +38,10 @@ class MegatronBackend:
         check_supported(hf_model.config, *tp_pp, mcfg.virtual_pipeline_model_parallel_size)
         mp.initialize(mcfg, dist_timeout_s)
         self.device = select_device(device)  # after: torchrun's LOCAL_RANK is the current device by then
-        if layout.groups is not None:
+        if layout is not None:
             raise ValueError("strategy=megatron builds its process groups from the megatron layout; pass none")
-        self.groups = Groups(
-            dp_group=ps.get_data_parallel_group(),
-            dp_size=ps.get_data_parallel_world_size(),
-            dp_rank=ps.get_data_parallel_rank(),
-        )
-        sizes = layout.sizes or RankSizes.over_ranks(config, self.groups.dp_size)
+        self.layout = mp.layout()  # megatron's groups, wrapped
+        sizes = self.layout.rank_sizes(config)
         self.hf_config, self.shapes = hf_model.config, Shapes.of(hf_model.config)
         dtype = compute_dtype(config.torch_dtype_name, self.device)
         on_cpu = self.device.type == "cpu"
@@ -59,7 +56,7 @@ class MegatronBackend:
                 self.model, config.optim, config.grad_clip, mcfg.use_distributed_optimizer
             )
         self.scheduled = self.optimizer.optimizer  # the torch optimizer whose rates the LR schedule sets
-        self.critic = MegatronPPOCritic.of(config, sizes, self.model, self.optimizer)
+        self.critic = MegatronPPOCritic.of(config, sizes, self.model, self.optimizer, self.layout)
         self.offload = Offloader(nn.Module(), None, self.device)  # moves nothing: offload keys are refused here
 
     def hf_state_dict(self) -> dict[str, Tensor]:
