@@ -58,11 +58,9 @@ class MegatronPPOCritic(PPOCriticBase):
         critic_optimizer: Any = None,
         critic_optimizer_config: Any = None,
     ):
-        from ppo_critic.parallel import megatron as mp
 
         config = CriticConfig.from_any(config)
-        sizes = mp.layout().per_rank().rank_sizes(config)  # verl's workers hand this rank's sizes
-        self._build(config, sizes, critic_module, critic_optimizer, tf_config)
+        self._build(config, None, critic_module, critic_optimizer, tf_config)
 
     @classmethod
     def of(
@@ -82,7 +80,7 @@ class MegatronPPOCritic(PPOCriticBase):
     def _build(
         self,
         config: CriticConfig,
-        sizes: RankSizes,
+        sizes: RankSizes | None,
         critic_module: Any,
         critic_optimizer: Any,
         tf_config: Any,
@@ -93,7 +91,7 @@ class MegatronPPOCritic(PPOCriticBase):
 
         from ppo_critic.parallel import megatron as mp
 
-        self.config, self.sizes = config, sizes
+        self.config = config
         if critic_module is None or critic_optimizer is None:
             raise TypeError(
                 "MegatronPPOCritic needs critic_module (this rank's model chunks) and critic_optimizer; "
@@ -115,6 +113,7 @@ class MegatronPPOCritic(PPOCriticBase):
         self.tf_config.grad_scale_func = critic_optimizer.scale_loss
         self.device = next(chunks[0].parameters()).device
         self.layout = layout or mp.layout()  # megatron's groups, wrapped
+        self.sizes = sizes or self.layout.per_rank().rank_sizes(config)  # verl's workers hand this rank's sizes
         self.pp_group, self.pp_size = ps.get_pipeline_model_parallel_group(), self.layout.pp
         self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
