@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_critic import DataParallelPPOCritic, build_value_model
-from ppo_critic.parallel.fsdp import shard
+from ppo_critic.backends.data_parallel.fsdp import shard
 from ppo_critic.parallel.mesh import init_distributed
 from ppo_critic.run.files import write_file
 

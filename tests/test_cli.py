@@ -15,9 +15,10 @@ from conftest import FP32_REORDERED
 from ppo_critic import cli
 from ppo_critic import train as train_mod
 from ppo_critic.cli import load_config, main
-from ppo_critic.data.rollouts import collate, read_rollouts
+from ppo_critic.data.rows import collate
+from ppo_critic.rollout_files.read import read_rollouts
 from ppo_critic.train import make_worker
-from test_rollouts import TEMPLATE, TEXT_IDS, TEXT_ROWS, id_rows, save_tokenizer
+from test_rollout_files import TEMPLATE, TEXT_IDS, TEXT_ROWS, id_rows, save_tokenizer
 from test_train import SHORT
 
 

@@ -32,7 +32,7 @@ from conftest import TINY, make_batch, state_hash, tiny_config, without_timings
 from ppo_critic import build_value_model
 from ppo_critic.cli import main
 from ppo_critic.config.critic import CriticConfig
-from ppo_critic.data.rollouts import read_rollouts
+from ppo_critic.rollout_files.read import read_rollouts
 from ppo_critic.run.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from ppo_critic.worker import CriticWorker
 from test_checkpoint import DAMAGES, contents

@@ -125,7 +125,7 @@ def layers() -> dict[str, int]:
 
 
 def unit_of(module: str) -> str:
-    """`ppo_critic.critics.dp` -> `critics`; `ppo_critic.worker` -> `worker`; `ppo_critic` -> `__init__`."""
+    """`ppo_critic.critics.base` -> `critics`; `ppo_critic.worker` -> `worker`; `ppo_critic` -> `__init__`."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

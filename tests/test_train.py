@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from conftest import FP32_REORDERED, exported_values, without_timings
 from ppo_critic import train as train_mod
 from ppo_critic.cli import load_config
-from ppo_critic.data.rollouts import read_rollouts
+from ppo_critic.rollout_files.read import read_rollouts
 from ppo_critic.run.checkpoint import latest_checkpoint
 from ppo_critic.train import evaluate, make_worker, train
 

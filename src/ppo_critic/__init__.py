@@ -11,8 +11,8 @@ from typing import Any
 # public name -> the module that defines it
 _PUBLIC = {
     "CriticConfig": "ppo_critic.config.critic",
-    "DataParallelPPOCritic": "ppo_critic.critics",
-    "MegatronPPOCritic": "ppo_critic.critics",
+    "DataParallelPPOCritic": "ppo_critic.backends.data_parallel.critic",
+    "MegatronPPOCritic": "ppo_critic.backends.megatron.critic",
     "build_value_model": "ppo_critic.models",
 }
 

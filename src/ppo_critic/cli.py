@@ -197,7 +197,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _values(args: argparse.Namespace) -> int:
-    from ppo_critic.data.rollouts import collate, read_rollouts, tokenizer_dir, write_values
+    from ppo_critic.data.rows import collate
+    from ppo_critic.rollout_files.read import read_rollouts, tokenizer_dir
+    from ppo_critic.rollout_files.write import write_values
     from ppo_critic.run.rundir import check_output
 
     pairs = dict(o.split("=", 1) for o in args.overrides if o.split("=", 1)[0] in ("data", "out"))

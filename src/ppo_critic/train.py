@@ -78,7 +78,8 @@ class FileSource:
     seeded `trainer.eval_fraction` of the file's rows held out (up to `eval_size` of them evaluated), or none."""
 
     def __init__(self, cfg: TrainConfig):
-        from ppo_critic.data.rollouts import collate, read_rollouts, tokenizer_dir
+        from ppo_critic.data.rows import collate
+        from ppo_critic.rollout_files.read import read_rollouts, tokenizer_dir
 
         t = cfg.trainer
         self.collate = collate

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from cuda_contract import check_collective_devices
 from ppo_critic import DataParallelPPOCritic
-from ppo_critic.parallel.fsdp import shard
+from ppo_critic.backends.data_parallel.fsdp import shard
 from ppo_critic.parallel.mesh import init_distributed
 
 STRATEGIES = ("none", "ddp", "fsdp", "fsdp2")

@@ -47,7 +47,7 @@ def as_verl_builds_it(name: str):
     if name != "tp2verl":
         yield
         return
-    import ppo_critic.worker.megatron as models  # where the worker looks the function up
+    import ppo_critic.backends.megatron.backend as models  # where the worker looks the function up
 
     build = models.transformer_config
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from cuda_contract import check_collective_devices
 from layouts_worker import full_params
 from ppo_critic import DataParallelPPOCritic
-from ppo_critic.parallel.fsdp import shard
+from ppo_critic.backends.data_parallel.fsdp import shard
 from ppo_critic.parallel.layout import data_parallel_layout
 from ppo_critic.parallel.mesh import init_distributed
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from conftest import exported_values, make_batch, tiny_config
 from ppo_critic import DataParallelPPOCritic
-from ppo_critic.parallel.fsdp import clip_grad_norm
+from ppo_critic.backends.data_parallel.fsdp import clip_grad_norm
 from ppo_critic.parallel.master_weights import MasterWeightOptimizer, store_in
 from ppo_critic.worker import CriticWorker
 

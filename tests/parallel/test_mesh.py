@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ppo_critic.backends.data_parallel.fsdp import check_cpu_backend
 from ppo_critic.parallel import mesh
-from ppo_critic.parallel.fsdp import check_cpu_backend
 from ppo_critic.parallel.mesh import BACKEND_CUDA, init_distributed, select_device
 
 

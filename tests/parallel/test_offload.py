@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from conftest import FP32_REORDERED, exported_values, make_batch, state_hash, tiny_config
+from ppo_critic.backends.data_parallel.fsdp import shard
 from ppo_critic.parallel import offload
-from ppo_critic.parallel.fsdp import shard
 from ppo_critic.parallel.mesh import BACKEND_CUDA
 from ppo_critic.parallel.offload import Offloader, PhaseOffload
 from ppo_critic.worker import CriticWorker, worker_config

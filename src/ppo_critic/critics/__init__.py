@@ -1,8 +1,3 @@
-"""Critic backends sharing one API, `compute_values(batch)` and `update_critic(batch)` (`base`, `dp`, `megatron`),
-and what an update uses: the value objective (`objectives`), return normalisation (`value_norm`), EMA weights (`ema`),
-perf metrics."""
-
-from ppo_critic.critics.dp import DataParallelPPOCritic
-from ppo_critic.critics.megatron import MegatronPPOCritic
-
-__all__ = ["DataParallelPPOCritic", "MegatronPPOCritic"]
+"""What every backend's critic shares: the compute_values / update_critic loops (`base`), the value objective
+(`objectives`), return normalisation (`value_norm`), EMA weights (`ema`) and perf metrics (`perf`). The critic
+classes live with their backends (`ppo_critic.backends`)."""

@@ -23,10 +23,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from ppo_critic.backends.data_parallel import critic as dp
+from ppo_critic.backends.megatron import critic as megatron
 from ppo_critic.config.critic import CriticConfig
 from ppo_critic.config.env import OPTIONS_ENV, with_options
 from ppo_critic.config.verl import LEGACY_WORKER_ERROR, to_mapping
-from ppo_critic.critics import dp, megatron
 from ppo_critic.integrations.hooks import after_import, installed_version
 from ppo_critic.models.hf import find_value_head, unwrap
 

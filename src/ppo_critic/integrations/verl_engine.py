@@ -24,10 +24,10 @@ from verl.utils.metric import AggregationType, Metric
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 
+from ppo_critic.backends.data_parallel.critic import MicroLoss, MicroResult
 from ppo_critic.config.critic import CriticConfig
 from ppo_critic.config.env import OPTIONS_ENV, with_options
 from ppo_critic.config.verl import engine_section, to_mapping
-from ppo_critic.critics.dp import MicroLoss, MicroResult
 from ppo_critic.data.batch import MULTI_MODAL, Batch
 from ppo_critic.data.batching import check_token_budget
 from ppo_critic.parallel.layout import layout_of

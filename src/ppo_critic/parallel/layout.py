@@ -1,7 +1,7 @@
 """`ParallelLayout`: the one object saying how this job's ranks are laid out (dp, sp, tp, pp, vpp), where this rank
 sits, and the process groups and mesh of each dimension. Built once per critic (`layout_of` here,
-`parallel.megatron.layout` from megatron's own groups) and passed to `parallelize`, the critics and the worker, as
-torchtitan's `ParallelDims`.
+`backends.megatron.parallel.layout` from megatron's own groups) and passed to `parallelize`, the critics and the
+worker, as torchtitan's `ParallelDims`.
 
 Ranks of the data-parallel backend are laid out (dp, sp), so the ranks of one sp group are consecutive; the model is
 sharded (or replicated) over all dp × sp ranks, which see different data or different pieces of a sequence.

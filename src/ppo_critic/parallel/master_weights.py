@@ -3,10 +3,11 @@
 For strategies `none` and `ddp` (FSDP2 does the same by itself: float32 shards gathered in the compute dtype). The
 forward and backward then read bf16 weights (embeddings, residual stream, norms in bf16 as under FSDP2), and
 gradients are bf16. `MasterWeightOptimizer` wraps the torch optimizer: each step moves the gradients into float32
-copies, where the norm is taken and clipping done (`parallel/fsdp.py: clip_grad_norm`), steps the float32 masters
-(an AdamW update far below bf16's resolution still accumulates) and rounds them back into the parameters. So a
-parameter always equals its master rounded, and the masters are the weights: checkpoints and the HF export hold them
-(`float32_weights`), the moving average follows them (`critics/ema.py`) and PopArt rescales them (`critics/dp.py`).
+copies, where the norm is taken and clipping done (`backends/data_parallel/fsdp.py: clip_grad_norm`), steps
+the float32 masters (an AdamW update far below bf16's resolution still accumulates) and rounds them back into the
+parameters. So a parameter always equals its master rounded, and the masters are the weights: checkpoints and the HF
+export hold them (`float32_weights`), the moving average follows them (`critics/ema.py`) and PopArt rescales them
+(`backends/data_parallel/critic.py`).
 
 Parameters that are float32 anyway (a value head of `value_head_dtype=float32`) have no copy: they are stepped as
 they are. Buffers (RoPE's frequencies) keep their dtype.

@@ -12,7 +12,7 @@ shards keep referring to the right tensors:
 - optimizer state and the moving average: the entries of their containers are replaced by copies.
 
 FSDP2's `CPUOffloadPolicy` (`offload_policy`: parameters and the optimizer step always on the CPU) is another thing,
-applied when the model is wrapped (`parallel/fsdp.py`).
+applied when the model is wrapped (`backends/data_parallel/fsdp.py`).
 """
 
 from __future__ import annotations

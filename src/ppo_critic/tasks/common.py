@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ppo_critic.data.batch import Batch
-from ppo_critic.data.rollouts import rollout_batch
+from ppo_critic.data.rows import rollout_batch
 
 Header = tuple[Tensor, Tensor]
 """The two integers per row that a task's prompt stands for (`BuiltinTask.read_prompt`): the target and the

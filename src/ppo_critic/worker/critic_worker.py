@@ -1,6 +1,6 @@
 """`CriticWorker`: what a PPO trainer needs around a critic — the value model built from the config, the
 optimizer, the LR schedule, checkpoints and HF export — on a data-parallel or a Megatron backend, chosen by
-`strategy` (`worker.data_parallel`, `worker.megatron`).
+`strategy` (`backends.data_parallel.backend`, `backends.megatron.backend`).
 
 The worker takes *global* batch sizes (verl's trainer convention) and hands the critic per-rank sizes. Under verl's
 `param_offload` / `optimizer_offload` what they name rests in host memory between calls (`parallel/offload.py`).
@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ppo_critic.backends.build import lr_schedule, worker_config
+from ppo_critic.backends.data_parallel.backend import DataParallelBackend
+from ppo_critic.backends.megatron.backend import MegatronBackend
 from ppo_critic.data.batch import Batch
 from ppo_critic.parallel.collectives import all_gather_rows
 from ppo_critic.parallel.layout import ParallelLayout
 from ppo_critic.parallel.offload import PhaseOffload
-from ppo_critic.worker.build import lr_schedule, worker_config
-from ppo_critic.worker.data_parallel import DataParallelBackend
-from ppo_critic.worker.megatron import MegatronBackend
 
 
 class CriticWorker:

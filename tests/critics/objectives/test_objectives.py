@@ -97,8 +97,8 @@ def test_a_head_that_does_not_fit_the_objective_and_popart_for_a_non_affine_valu
 
 
 def test_megatron_refuses_an_objective_of_several_outputs():
+    from ppo_critic.backends.megatron.critic import MegatronPPOCritic
     from ppo_critic.config.critic import RankSizes
-    from ppo_critic.critics.megatron import MegatronPPOCritic
 
     register("test_hl_gauss", lambda config: _screens().HLGauss(7, -2.0, 2.0, 0.75))
     config = CriticConfig.from_any({"ppo_mini_batch_size": 2, "vf_loss_type": "test_hl_gauss"})

@@ -27,7 +27,8 @@ from engine_helpers import infer_values, training_worker
 from tensordict import TensorDict
 from verl import DataProto
 
-from ppo_critic.data.rollouts import read_rollouts, rollout_batch
+from ppo_critic.data.rows import rollout_batch
+from ppo_critic.rollout_files.read import read_rollouts
 from verl_shared import VOCAB, save_tiny_critic
 
 ROWS, STEPS = 24, 4

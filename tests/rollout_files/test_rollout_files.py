@@ -16,8 +16,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 from ppo_critic.config.critic import ModelConfig
-from ppo_critic.data import rollouts
-from ppo_critic.data.rollouts import Rollout, collate, read_rollouts, tokenizer_dir, write_values
+from ppo_critic.data.rows import Rollout, collate
+from ppo_critic.rollout_files import read as rollouts
+from ppo_critic.rollout_files.read import read_rollouts, tokenizer_dir
+from ppo_critic.rollout_files.write import write_values
 
 GOOD = {"prompt_ids": [1, 2], "response_ids": [3], "reward": 1.0}
 

@@ -89,7 +89,7 @@ class MegatronPPOCritic(PPOCriticBase):
         from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 
-        from ppo_critic.parallel import megatron as mp
+        from ppo_critic.backends.megatron import parallel as mp
 
         self.config = config
         if critic_module is None or critic_optimizer is None:

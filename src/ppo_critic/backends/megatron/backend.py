@@ -13,16 +13,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ppo_critic.backends.build import export_skeleton, model_from_config
+from ppo_critic.backends.megatron import parallel as mp
+from ppo_critic.backends.megatron.critic import MegatronPPOCritic
+from ppo_critic.backends.megatron.model import Shapes, build_megatron_value_model, check_supported, transformer_config
 from ppo_critic.config.critic import CriticConfig, ModelConfig
-from ppo_critic.critics import MegatronPPOCritic
 from ppo_critic.models.hf import unwrap
-from ppo_critic.models.megatron import Shapes, build_megatron_value_model, check_supported, transformer_config
-from ppo_critic.parallel import megatron as mp
 from ppo_critic.parallel.layout import ParallelLayout
 from ppo_critic.parallel.mesh import compute_dtype, select_device
 from ppo_critic.parallel.offload import Offloader
 from ppo_critic.run.checkpoint import export_hf, load_state_dicts, save_state_dicts
-from ppo_critic.worker.build import export_skeleton, model_from_config
 
 
 class MegatronBackend:

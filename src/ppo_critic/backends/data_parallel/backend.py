@@ -1,5 +1,5 @@
 """The data-parallel backend of a `CriticWorker` (strategies none, ddp, fsdp, fsdp2; Ulysses inside): one full
-model per replica, parallelised by `parallel.fsdp.parallelize`, checkpointed with DCP as one state dict."""
+model per replica, parallelised by `fsdp.parallelize`, checkpointed with DCP as one state dict."""
 
 from __future__ import annotations
 
@@ -11,24 +11,24 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ppo_critic.config.critic import CriticConfig
-from ppo_critic.critics import DataParallelPPOCritic
-from ppo_critic.critics.objectives import objective_of
-from ppo_critic.models.hf import find_value_head
-from ppo_critic.models.lora import merged_model
-from ppo_critic.parallel.fsdp import parallelize
-from ppo_critic.parallel.layout import ParallelLayout, layout_of
-from ppo_critic.parallel.master_weights import float32_weights
-from ppo_critic.parallel.mesh import init_distributed, select_device
-from ppo_critic.parallel.offload import Offloader
-from ppo_critic.run.checkpoint import export_hf, load_checkpoint, save_checkpoint
-from ppo_critic.worker.build import (
+from ppo_critic.backends.build import (
     build_optimizer,
     export_skeleton,
     low_precision,
     model_from_config,
     param_groups,
 )
+from ppo_critic.backends.data_parallel.critic import DataParallelPPOCritic
+from ppo_critic.backends.data_parallel.fsdp import parallelize
+from ppo_critic.config.critic import CriticConfig
+from ppo_critic.critics.objectives import objective_of
+from ppo_critic.models.hf import find_value_head
+from ppo_critic.models.lora import merged_model
+from ppo_critic.parallel.layout import ParallelLayout, layout_of
+from ppo_critic.parallel.master_weights import float32_weights
+from ppo_critic.parallel.mesh import init_distributed, select_device
+from ppo_critic.parallel.offload import Offloader
+from ppo_critic.run.checkpoint import export_hf, load_checkpoint, save_checkpoint
 
 
 class DataParallelBackend:

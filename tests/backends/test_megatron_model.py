@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_config
 from ppo_critic import CriticConfig, MegatronPPOCritic, build_value_model
-from ppo_critic.models.megatron import (
+from ppo_critic.backends.megatron.model import (
     Shapes,
     check_supported,
     from_te_names,

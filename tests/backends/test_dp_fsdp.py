@@ -1,5 +1,6 @@
-"""parallel.fsdp: FSDP2's mixed precision follows the compute dtype (`critic.dtype`, bf16 by default on CUDA), and a
-value head of a dtype of its own keeps it, through the worker that builds a run's critic (one-process gloo group)."""
+"""backends.data_parallel.fsdp: FSDP2's mixed precision follows the compute dtype (`critic.dtype`, bf16 by
+default on CUDA), and a value head of a dtype of its own keeps it, through the worker that builds a run's critic
+(one-process gloo group)."""
 
 from __future__ import annotations
 

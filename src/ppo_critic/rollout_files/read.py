@@ -1,4 +1,4 @@
-"""Recorded rollout files (JSON Lines or Parquet) → critic batches (DESIGN §3), and per-token values written back.
+"""Recorded rollout files (JSON Lines or Parquet) → rollout rows (`data/rows.py` pads them into batches).
 
 A rollout row holds a prompt, a response and exactly one of `token_level_rewards` (one per response token) or
 `reward` (a scalar, put on the last response token). Other fields are ignored. The prompt is `prompt_ids` (token
@@ -18,15 +18,14 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from ppo_critic.run.files import write_with
+from ppo_critic.data.rows import Rollout
 
 if TYPE_CHECKING:
     from ppo_critic.config.critic import ModelConfig
@@ -41,13 +40,6 @@ _IDS_EXPECTED = "must be a non-empty list of integer token ids"
 _REWARDS_EXPECTED = "must be a list of finite numbers, one per response token"
 _REWARD_EXPECTED = "must be a finite number"
 _LISTED_ROWS = 10
-
-
-@dataclass
-class Rollout:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    token_level_rewards: list[float]
 
 
 class _RowError(ValueError):
@@ -93,13 +85,14 @@ def read_rollouts(
 
 
 def _reader_for(path: str) -> tuple[Callable[[str], Iterator[tuple[int, Any]]], Callable[[Any], Any]]:
-    suffix = _suffix(path)
+    suffix = file_format(path)
     if suffix == ".jsonl":
         return _iter_jsonl, _decode_json_line
     return _iter_parquet, _identity
 
 
-def _suffix(path: str) -> str:
+def file_format(path: str) -> str:
+    """The rollout file format `path` names by its extension (".jsonl" or ".parquet"); ValueError otherwise."""
     suffix = Path(path).suffix.lower()
     if suffix not in SUPPORTED_EXTENSIONS:
         raise ValueError(
@@ -150,7 +143,7 @@ def _identity(row: Any) -> Any:
 
 
 def _iter_parquet(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    pq = _import_parquet()
+    pq = import_parquet()
     try:
         file = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError subclasses for a damaged file
@@ -164,7 +157,8 @@ def _iter_parquet(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
                 yield number, row
 
 
-def _import_parquet() -> Any:
+def import_parquet() -> Any:
+    """pyarrow.parquet, or an ImportError saying how to install it."""
     try:
         import pyarrow.parquet as pq
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -505,107 +499,3 @@ def _load_tokenizer(directory: str) -> Any:
             f"could not load a tokenizer from {directory} ({type(e).__name__}: {e}); rollout rows with text need "
             "critic.model.tokenizer_path=DIR to name a directory holding tokenizer.json / tokenizer_config.json"
         ) from e
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Collation
-
-
-def collate(rollouts: Sequence[Rollout], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Pad rollouts into the DESIGN §3 layout: prompts left-padded, responses right-padded, rows in input order."""
-    if len(rollouts) == 0:
-        raise ValueError("collate needs at least one rollout, got none")
-    if not _is_int(pad_token_id):
-        raise TypeError(f"pad_token_id must be an integer, got {pad_token_id!r}")
-    for i, rollout in enumerate(rollouts):
-        _check_rollout(i, rollout)
-    p = max(len(r.prompt_ids) for r in rollouts)
-    r = max(len(r.response_ids) for r in rollouts)
-    prompts, prompt_mask = _pad([x.prompt_ids for x in rollouts], p, pad_token_id, torch.int64, left=True)
-    responses, response_mask = _pad([x.response_ids for x in rollouts], r, pad_token_id, torch.int64, left=False)
-    rewards, _ = _pad([x.token_level_rewards for x in rollouts], r, 0.0, torch.float32, left=False)
-    return rollout_batch(prompts, prompt_mask, responses, response_mask, rewards)
-
-
-def rollout_batch(
-    prompts: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    responses: torch.Tensor,
-    response_mask: torch.Tensor,
-    rewards: torch.Tensor,
-) -> dict[str, torch.Tensor]:
-    """The DESIGN §3 batch of left-padded prompts and right-padded responses (position ids restart per row): the
-    one place the layout is built, for recorded rollouts (`collate`) and the built-in tasks alike."""
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    return {
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        "responses": responses,
-        "response_mask": response_mask,
-        "token_level_rewards": rewards,
-    }
-
-
-def _check_rollout(index: int, rollout: Rollout) -> None:
-    if not rollout.prompt_ids or not rollout.response_ids:
-        raise ValueError(f"rollouts[{index}]: prompt_ids and response_ids must be non-empty")
-    if len(rollout.token_level_rewards) != len(rollout.response_ids):
-        raise ValueError(
-            f"rollouts[{index}]: token_level_rewards has {len(rollout.token_level_rewards)} value(s) but "
-            f"response_ids has {len(rollout.response_ids)} token(s)"
-        )
-
-
-def _pad(
-    rows: list[list[Any]], width: int, fill: float, dtype: torch.dtype, left: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows padded to `width` with `fill` (on the left or the right) and the 0/1 long mask of real entries."""
-    out = torch.full((len(rows), width), fill, dtype=dtype)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        span = slice(width - len(row), width) if left else slice(0, len(row))
-        out[i, span] = torch.tensor(row, dtype=dtype)
-        mask[i, span] = 1
-    return out, mask
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Writing values
-
-
-def write_values(path: str | os.PathLike, values: Sequence[Sequence[float]]) -> None:
-    """Atomically write one `{"row": i, "values": [...]}` row per input row as `.jsonl` or `.parquet`."""
-    writer = _write_jsonl if _suffix(os.fspath(path)) == ".jsonl" else _write_parquet
-    rows = _value_rows(values)
-    write_with(path, lambda tmp: writer(str(tmp), rows))
-
-
-def _value_rows(values: Sequence[Sequence[float]]) -> list[list[float]]:
-    rows = []
-    for i, row in enumerate(values):
-        floats = [float(v) for v in row]
-        bad = [j for j, v in enumerate(floats) if not math.isfinite(v)]
-        if bad:
-            raise ValueError(f"values[{i}] has {len(bad)} NaN/Inf value(s) (first at position {bad[0]})")
-        rows.append(floats)
-    return rows
-
-
-def _write_jsonl(path: str, rows: list[list[float]]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for i, row in enumerate(rows):
-            f.write(json.dumps({"row": i, "values": row}) + "\n")
-
-
-def _write_parquet(path: str, rows: list[list[float]]) -> None:
-    import pyarrow as pa
-
-    pq = _import_parquet()
-    table = pa.table(
-        {
-            "row": pa.array(range(len(rows)), type=pa.int64()),
-            "values": pa.array(rows, type=pa.list_(pa.float64())),
-        }
-    )
-    pq.write_table(table, path)

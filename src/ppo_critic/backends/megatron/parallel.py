@@ -1,7 +1,7 @@
 """Megatron-core parallel state, DDP + (distributed) optimizer around the value-model chunks, and moving HF
 weights into and out of a TP × PP sharded model.
 
-Every function is called by every rank of the job; weights travel as HF state dicts (`models/megatron.py`).
+Every function is called by every rank of the job; weights travel as HF state dicts (`backends/megatron/model.py`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ppo_critic.config.critic import MegatronConfig, OptimConfig
-from ppo_critic.models.hf import unwrap
-from ppo_critic.models.megatron import (
+from ppo_critic.backends.megatron.model import (
     Shapes,
     from_te_names,
     global_layers,
@@ -22,6 +20,8 @@ from ppo_critic.models.megatron import (
     megatron_to_hf,
     to_te_names,
 )
+from ppo_critic.config.critic import MegatronConfig, OptimConfig
+from ppo_critic.models.hf import unwrap
 from ppo_critic.parallel.layout import ParallelLayout
 from ppo_critic.parallel.mesh import init_distributed
 

@@ -4,7 +4,7 @@ HF <-> megatron weight conversion (QKV and gate/up fusion, tensor-parallel slice
 
 The HF side is always the state dict of `build_value_model` (`model.*` backbone, `score.*` head), so a critic
 starts from, and is exported as, an ordinary HF checkpoint. Megatron's parallel state must be initialised first
-(`ppo_critic.parallel.megatron.initialize`).
+(`ppo_critic.backends.megatron.parallel.initialize`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ppo_critic.backends.data_parallel.fsdp import average_plain_gradients, clip_grad_norm
 from ppo_critic.config.critic import CriticConfig, RankSizes
 from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics
 from ppo_critic.critics.ema import ParameterEMA
@@ -25,7 +26,6 @@ from ppo_critic.data.batching import restore_order
 from ppo_critic.data.packing import pack
 from ppo_critic.models.attention import packed_blocker, use_packed_attention
 from ppo_critic.models.hf import find_value_head, token_values, unwrap
-from ppo_critic.parallel.fsdp import average_plain_gradients, clip_grad_norm
 from ppo_critic.parallel.layout import ParallelLayout, layout_of
 from ppo_critic.parallel.master_weights import float32_weights, masters_of
 from ppo_critic.parallel.mesh import compute_dtype
