@@ -92,3 +92,12 @@ def test_every_strategy_updates_on_cuda_under_nccl(one_process_cuda_group, strat
     batch["values"] = worker.compute_values(batch)
     metrics = worker.update_critic(batch)
     assert metrics["critic/skipped_steps"] == 0 and metrics["perf/tokens_per_s"] > 0
+
+
+def test_the_former_path_resolves_the_same_functions():
+    from ppo_critic.backends.data_parallel import fsdp
+    from ppo_critic.parallel.fsdp import parallelize, shard
+
+    assert (parallelize, shard) == (fsdp.parallelize, fsdp.shard)
+    with pytest.raises(AttributeError):
+        from ppo_critic.parallel.fsdp import no_such_name  # noqa: F401

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from ppo_critic.config.critic import ModelConfig
 from ppo_critic.data.rows import Rollout, collate
 from ppo_critic.rollout_files import read as rollouts
+from ppo_critic.rollout_files import write as values_file
 from ppo_critic.rollout_files.read import read_rollouts, tokenizer_dir
 from ppo_critic.rollout_files.write import write_values
 
@@ -670,14 +671,14 @@ def test_write_values_is_atomic(tmp_path, monkeypatch, suffix):
     write_values(path, VALUES)
     before = path.read_bytes()
     name = "_write_jsonl" if suffix == ".jsonl" else "_write_parquet"
-    real = getattr(rollouts, name)
+    real = getattr(values_file, name)
 
     def half_then_fail(tmp: str, rows: list[list[float]]) -> None:
         real(tmp, rows[:1])
         assert os.path.getsize(tmp) > 0  # something was written before the failure
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(rollouts, name, half_then_fail)
+    monkeypatch.setattr(values_file, name, half_then_fail)
     with pytest.raises(RuntimeError, match="disk on fire"):
         write_values(path, [[9.0]] * 5)
     assert path.read_bytes() == before
