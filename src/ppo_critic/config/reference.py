@@ -65,8 +65,12 @@ def _module_fields(module: str) -> dict[str, list[tuple[str, ast.expr | None, st
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> its one-line description, for every field of `cls` that has one."""
-    return {name: doc for name, _, doc in _module_fields(cls.__module__)[cls.__qualname__] if doc}
+    """Field name -> its one-line description, for every field of `cls` that has one (those of its base classes
+    too, e.g. the tasks' `DriftOptions`; a field a class redeclares takes its own)."""
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        docs |= {name: doc for name, _, doc in _module_fields(klass.__module__)[klass.__qualname__] if doc}
+    return docs
 
 
 def train_options(cfg: TrainConfig) -> list[Option]:
@@ -89,14 +93,15 @@ def _walk(obj: Any, prefix: str) -> list[Option]:
 
 
 def _task_options(cfg: TrainConfig) -> list[Option]:
-    """`task.name` and the options of that task, those the `task` mapping leaves out marked as not set."""
+    """`task.name` and the options of that task (its policy schedule, `task.drift*`, last), those the `task` mapping
+    leaves out marked as not set."""
     task = cfg.task_config()
     doc = f"the task: {', '.join(TASK_CONFIGS)} (--print-config task.name=X lists the options of X)"
     name = Option("task.name", cfg.task.get("name", "counting"), doc)
     docs = field_docs(type(task))
     return [name] + [
         Option(f"task.{f.name}", getattr(task, f.name), docs.get(f.name, ""), is_set=f.name in cfg.task)
-        for f in dataclasses.fields(task)
+        for f in sorted(dataclasses.fields(task), key=lambda f: f.name.startswith("drift"))
     ]
 
 

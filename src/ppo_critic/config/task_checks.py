@@ -82,3 +82,21 @@ def check_min_count(config: Any) -> None:
     require(
         config, ok, "min_count", f"must be in [1, max_response_len={config.max_response_len}], got {config.min_count}"
     )
+
+
+DRIFTS = ("none", "ramp", "step")
+"""The policy schedules of `task.drift` (`ppo_critic.config.tasks.DriftOptions`)."""
+
+
+def check_drift(config: Any) -> None:
+    """`drift` is a known schedule, `drift_start` >= 0, `drift_steps` >= 1, and under a drift `drift_to` a value of
+    the drifting option (as many entries as it has, for a tuple)."""
+    require(config, config.drift in DRIFTS, "drift", f"must be one of {', '.join(DRIFTS)}, got {config.drift!r}")
+    check_ints(config, "drift_start", "drift_steps")
+    check_at_least(config, "drift_start", 0)
+    check_at_least(config, "drift_steps", 1)
+    origin, end = config.drift_origin(), config.drift_to
+    if config.drift != "none" and isinstance(origin, tuple) and isinstance(end, tuple):
+        field = config.drift_field
+        require(config, len(end) == len(origin), "drift_to", f"needs {len(origin)} entries like {field}, got {end!r}")
+    config.check_drift_end()

@@ -130,6 +130,17 @@ class BuiltinTask(ABC):
         responses, lengths = self._responses(header, generator, kept=row_responses[0, :t])
         return continuation(responses, lengths, self._rewards(responses, header, lengths))
 
+    def at(self, step: int) -> BuiltinTask:
+        """The fixed task whose policy draws iteration `step`'s rollouts under `config.drift` (itself while the
+        policy has not moved): its `sample` and `true_values` are those of that iteration, exactly."""
+        config = self.config.at(step)
+        if config is self.config:
+            return self
+        last = self.__dict__.get("_last_at")
+        if last is None or last.config != config:  # a ramp moves every step; a step's new task is built once
+            last = self._last_at = type(self)(config)
+        return last
+
     def read_prompt(self, batch: Any) -> Header:
         """The integers that each prompt's last two tokens (`header_tokens`) stand for, in any row order."""
         return read_header(batch, self.name, self.response_width, *self.header_tokens)
