@@ -44,33 +44,96 @@ def critic_returns(batch: dict[str, Tensor], values: Tensor, t: TrainerConfig, s
 Targets = Callable[[dict[str, Tensor], Tensor, TrainerConfig, int], Tensor]
 
 
+RECOVERED_EV = 0.9
+"""The EV a critic is back at, after an abrupt change of the policy, when it has recovered (`tracking_metrics`)."""
+
+
+def tracking_metrics(
+    curve: list[tuple[int, float]], warmup: int, changed_at: int | None = None, recovered: float = RECOVERED_EV
+) -> dict[str, float]:
+    """How a critic follows a moving policy, from its evaluations `curve` [(step, EV)]: `tracking_ev` (the mean EV of
+    the evaluations at steps >= `warmup`) and `worst_ev` (their least); after an abrupt change of the policy at
+    iteration `changed_at`, `recover_steps`: iterations from it to the first evaluation at EV >= `recovered` (0 if
+    none fell below; inf: not back by the last). Empty when nothing was evaluated after the warm-up."""
+    after = [ev for step, ev in curve if step >= warmup]
+    if not after:
+        return {}
+    metrics = {"tracking_ev": sum(after) / len(after), "worst_ev": min(after)}
+    since = sorted((step, ev) for step, ev in curve if changed_at is not None and step >= changed_at)
+    if since:
+        back = next((step for step, ev in since if ev >= recovered), None)
+        metrics["recover_steps"] = math.inf if back is None else float(back - changed_at)
+    return metrics
+
+
 class TaskSource:
-    """Rollouts drawn on the fly from a built-in task; the held-out set comes from a separate seed."""
+    """Rollouts drawn on the fly from a built-in task, iteration k's from `task.at(k)` (its policy under
+    `task.drift`); the held-out set comes from a separate seed, drawn from the policy of each evaluation's step."""
 
     def __init__(self, cfg: TrainConfig):
         name = cfg.task.get("name", "counting")
         self.name = f"task {name}"
         self.task = TASKS[name][0](cfg.task_config())
-        self.batch_size = cfg.trainer.rollout_batch_size
+        self.batch_size, self.gamma = cfg.trainer.rollout_batch_size, cfg.trainer.gamma
         self.generator = torch.Generator().manual_seed(cfg.trainer.seed)
-        held_out = torch.Generator().manual_seed(cfg.trainer.seed + 1_000_003)
-        self.eval_batch = self.task.sample(cfg.trainer.eval_size, held_out)
-        self.eval_batch["true_values"] = self.task.true_values(self.eval_batch, cfg.trainer.gamma)
+        self.held_out_seed, self.eval_size = cfg.trainer.seed + 1_000_003, cfg.trainer.eval_size
+        self.eval_batch = self._held_out(self.task)
         self.eval_name = f"{cfg.trainer.eval_size} held-out rollouts of the {name} task (another seed)"
+        if self.drifting:
+            self.eval_name += ", drawn from the policy of each evaluation's step"
         self.vocab_size = self.task.vocab_size
         self.max_length = self.task.prompt_width + self.task.response_width
+        self.step = 0  # the iteration whose rollouts `next_batch` draws
+        self.evals: list[tuple[int, float]] = []  # (step, eval/ev_true) under a drift, for `tracking`
+        self._eval_at: tuple[Any, dict[str, Tensor]] = (self.task, self.eval_batch)
+
+    @property
+    def drifting(self) -> bool:
+        """Whether the task's policy moves (`task.drift` is not none)."""
+        return self.task.config.drift != "none"
 
     def next_batch(self) -> dict[str, Tensor]:
-        return self.task.sample(self.batch_size, self.generator)
+        batch = self.task.at(self.step).sample(self.batch_size, self.generator)
+        self.step += 1
+        return batch
+
+    def evaluation_batch(self, step: int) -> dict[str, Tensor]:
+        """The held-out set of the policy of iteration `step` (the one the critic values next): the same rows for a
+        fixed policy; under a drift redrawn from the same seed, so it depends on the seed and the step alone."""
+        task = self.task.at(step)
+        if task is not self._eval_at[0]:
+            self._eval_at = (task, self._held_out(task))
+        return self._eval_at[1]
+
+    def tracking(self, step: int, metrics: dict[str, float], last: bool) -> dict[str, float]:
+        """Under a drift, record the evaluation of `step`; at the `last` step, `tracking_metrics` over the run since
+        `task.drift_start` (recovery after a drift=step), as `eval/...` metrics."""
+        if not self.drifting or "eval/ev_true" not in metrics:
+            return {}
+        self.evals.append((step, metrics["eval/ev_true"]))
+        c = self.task.config
+        tracked = tracking_metrics(self.evals, c.drift_start, c.drift_start if c.drift == "step" else None)
+        return {f"eval/{key}": value for key, value in tracked.items()} if last else {}
+
+    def _held_out(self, task: Any) -> dict[str, Tensor]:
+        """`eval_size` rollouts of `task` from the held-out seed, with their true values under the run's gamma."""
+        batch = task.sample(self.eval_size, torch.Generator().manual_seed(self.held_out_seed))
+        batch["true_values"] = task.true_values(batch, self.gamma)
+        return batch
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        return {"data/generator": self.generator.get_state()}, {"data_source": self.name}
+        state: dict[str, Any] = {"data_source": self.name}
+        if self.drifting:
+            state["drift_evals"] = self.evals
+        return {"data/generator": self.generator.get_state()}, state
 
     def check_state(self, state: dict[str, Any]) -> None:
         _same_source(self.name, state)
 
     def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
         self.generator.set_state(tensors["data/generator"])
+        self.step = int(state["worker_step"])
+        self.evals = [(int(step), float(ev)) for step, ev in state.get("drift_evals", [])]
 
 
 class FileSource:
@@ -100,6 +163,14 @@ class FileSource:
         self.position = 0
         self.vocab_size = 1 + max(max(r.prompt_ids + r.response_ids) for r in self.rows + eval_rows)
         self.max_length = max(len(r.prompt_ids) + len(r.response_ids) for r in self.rows + eval_rows)
+
+    def evaluation_batch(self, step: int) -> dict[str, Tensor] | None:
+        """The held-out rows, the same at every step."""
+        return self.eval_batch
+
+    def tracking(self, step: int, metrics: dict[str, float], last: bool) -> dict[str, float]:
+        """Nothing: recorded rollouts do not drift."""
+        return {}
 
     def next_batch(self) -> dict[str, Tensor]:
         rows = [self.rows[(self.position + i) % len(self.rows)] for i in range(self.batch_size)]
@@ -254,7 +325,8 @@ def _loop(
             train_s += time.perf_counter() - start
             step = worker.step
             if source.eval_batch is not None and (step % t.eval_every == 0 or step == t.steps):
-                metrics |= evaluate(worker, source.eval_batch, t.gamma)
+                metrics |= evaluate(worker, source.evaluation_batch(step), t.gamma)
+                metrics |= source.tracking(step, metrics, last=step == t.steps)
             if log is not None:
                 log.log(step, metrics)
             progress.update(step, metrics)

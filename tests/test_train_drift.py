@@ -1,0 +1,116 @@
+"""The main job under a moving policy (`task.drift`): each iteration's rollouts come from the task of its step, the
+evaluation set from the policy of each evaluation's step, the tracking metrics, and resume in the middle of a ramp."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import without_timings
+from ppo_critic import train as train_mod
+from ppo_critic.cli import load_config
+from ppo_critic.train import TaskSource, tracking_metrics, train
+
+SHORT = [
+    "trainer.steps=6",
+    "trainer.rollout_batch_size=8",
+    "trainer.eval_size=16",
+    "trainer.eval_every=1",
+    "trainer.save_every=2",
+    "trainer.progress=false",
+    "trainer.logger=[jsonl]",
+    "trainer.export_hf=true",
+    "critic.ppo_mini_batch_size=4",
+    "critic.ppo_micro_batch_size_per_gpu=4",
+    "critic.model.override_config.hidden_size=32",
+    "critic.model.override_config.intermediate_size=64",
+]
+RAMP = ["task.drift=ramp", "task.drift_start=2", "task.drift_steps=3", "task.target_prob=0.1", "task.drift_to=0.9"]
+
+
+def config(run_dir, *extra):
+    return load_config(None, [*SHORT, f"trainer.run_dir={run_dir}", *extra])
+
+
+def target_share(task, batch) -> float:
+    """The share of response tokens that are the prompt's target (counting task)."""
+    targets = batch["input_ids"][:, task.prompt_width - 2]
+    mask = batch["response_mask"].bool()
+    return ((batch["responses"] == targets[:, None]) & mask).sum().item() / mask.sum().item()
+
+
+def test_tracking_metrics_after_the_warmup():
+    curve = [(10, 0.2), (20, 0.95), (30, 0.5), (40, 0.8), (50, 0.92), (60, 0.97)]
+    got = tracking_metrics(curve, warmup=30, changed_at=30)
+    assert got == pytest.approx({"tracking_ev": (0.5 + 0.8 + 0.92 + 0.97) / 4, "worst_ev": 0.5, "recover_steps": 20})
+    assert tracking_metrics(curve, warmup=30) == pytest.approx({"tracking_ev": 0.7975, "worst_ev": 0.5})
+    assert tracking_metrics(curve, warmup=20, changed_at=20)["recover_steps"] == 0  # never fell below the bar
+    assert tracking_metrics(curve[:4], warmup=30, changed_at=30)["recover_steps"] == math.inf  # not back yet
+    assert tracking_metrics(curve, warmup=61) == {}
+    assert "recover_steps" not in tracking_metrics(curve, warmup=0, changed_at=70)  # nothing evaluated since
+
+
+def test_the_rollouts_follow_the_ramp(tmp_path):
+    source = TaskSource(config(tmp_path, *RAMP, "trainer.rollout_batch_size=256"))
+    shares = [target_share(source.task, source.next_batch()) for _ in range(6)]
+    assert shares[:2] == pytest.approx([0.1, 0.1], abs=0.02)
+    assert shares[2] == pytest.approx(0.1 + 0.8 / 3, abs=0.03) and shares[4:] == pytest.approx([0.9, 0.9], abs=0.02)
+    assert source.step == 6
+
+
+def test_the_evaluation_set_is_drawn_from_the_policy_of_its_step(tmp_path):
+    source = TaskSource(config(tmp_path, *RAMP, "trainer.eval_size=512"))
+    fixed = TaskSource(config(tmp_path, "task.target_prob=0.1", "trainer.eval_size=512"))
+    first = source.evaluation_batch(0)
+    assert all(torch.equal(first[k], v) for k, v in fixed.eval_batch.items())  # unmoved: today's fixed set
+    assert source.evaluation_batch(1) is first
+    moved = source.evaluation_batch(5)
+    assert target_share(source.task, moved) == pytest.approx(0.9, abs=0.02)
+    assert torch.equal(moved["true_values"], source.task.at(5).true_values(moved, 1.0))
+    again = TaskSource(config(tmp_path, *RAMP, "trainer.eval_size=512")).evaluation_batch(5)
+    assert all(torch.equal(again[k], v) for k, v in moved.items())  # the seed and the step decide it
+
+
+def test_without_a_drift_the_evaluation_set_never_changes(tmp_path):
+    source = TaskSource(config(tmp_path))
+    assert all(source.evaluation_batch(step) is source.eval_batch for step in (0, 5, 10_000))
+    assert source.tracking(3, {"eval/ev_true": 0.5}, last=True) == {} and "drift_evals" not in source.state()[1]
+
+
+def test_a_drifting_run_reports_its_tracking_on_the_last_row(tmp_path):
+    metrics = train(config(tmp_path / "run", *RAMP, "task.drift=step"), out=io.StringIO())
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("eval/ev_true" in r for r in rows) and "eval/tracking_ev" not in rows[-2]
+    evs = [r["eval/ev_true"] for r in rows[1:]]  # steps 2..6: from the step on
+    assert rows[-1]["eval/tracking_ev"] == pytest.approx(sum(evs) / len(evs))
+    assert rows[-1]["eval/worst_ev"] == min(evs) and "eval/recover_steps" in rows[-1]
+    assert metrics["eval/tracking_ev"] == rows[-1]["eval/tracking_ev"]
+
+
+def test_resume_in_the_middle_of_a_ramp_is_the_uninterrupted_run(tmp_path, monkeypatch):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(config(straight, *RAMP), out=io.StringIO())
+    calls = {"n": 0}
+    original = train_mod._iteration
+
+    def crash_on_fourth(*args):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt  # stopped after step 2 was checkpointed, one step into the ramp
+        return original(*args)
+
+    monkeypatch.setattr(train_mod, "_iteration", crash_on_fourth)
+    with pytest.raises(train_mod.Interrupted, match="interrupted at step 3"):
+        train(config(resumed, *RAMP), out=io.StringIO())
+    monkeypatch.setattr(train_mod, "_iteration", original)
+    train(config(resumed, *RAMP), out=io.StringIO())
+    a, b = load_file(straight / "hf" / "model.safetensors"), load_file(resumed / "hf" / "model.safetensors")
+    assert all(torch.equal(a[key], b[key]) for key in a)
+    rows_a, rows_b = ((run / "metrics.jsonl").read_text().splitlines() for run in (straight, resumed))
+    assert [without_timings(json.loads(r)) for r in rows_a] == [without_timings(json.loads(r)) for r in rows_b]
+    assert "eval/tracking_ev" in json.loads(rows_b[-1])
