@@ -242,15 +242,15 @@ def task_of(cfg):
 
 def truth_targets(task) -> Targets:
     """The exact values as the regression targets (no return noise, no bootstrap bias): how fast the model and the
-    rate allow a critic to learn the task at all."""
-    return lambda batch, values, trainer, step: task.true_values(batch, trainer.gamma)
+    rate allow a critic to learn the task at all; under `task.drift` those of the policy of the step's rollouts."""
+    return lambda batch, values, trainer, step: task.at(step).true_values(batch, trainer.gamma)
 
 
 def exact_bootstrap_targets(task) -> Targets:
     """The returns bootstrapped from the task's exact values (the old values of the clipped loss stay the critic's):
     the return noise of the configuration's λ without its bootstrap error."""
     return lambda batch, values, trainer, step: critic_returns(
-        batch, task.true_values(batch, trainer.gamma), trainer, step
+        batch, task.at(step).true_values(batch, trainer.gamma), trainer, step
     )
 
 

@@ -3,9 +3,12 @@ evaluation set from the policy of each evaluation's step, the tracking metrics, 
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +117,22 @@ def test_resume_in_the_middle_of_a_ramp_is_the_uninterrupted_run(tmp_path, monke
     rows_a, rows_b = ((run / "metrics.jsonl").read_text().splitlines() for run in (straight, resumed))
     assert [without_timings(json.loads(r)) for r in rows_a] == [without_timings(json.loads(r)) for r in rows_b]
     assert "eval/tracking_ev" in json.loads(rows_b[-1])
+
+
+def test_the_drift_bench_measures_the_three_critics_and_tabulates_them():
+    """bench/drift.py on a tiny budget: ablation's configurations under a step, tracking metrics, one row each."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "drift.py"
+    spec = importlib.util.spec_from_file_location("drift_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["drift_bench"] = bench
+    spec.loader.exec_module(bench)
+    tiny = [s for s in SHORT if s.startswith(("critic.", "trainer.rollout", "trainer.eval_size"))]
+    overrides = [*bench.schedule("step", 2, 1, "0.6"), *tiny]
+    runs = {
+        name: [bench.measure(name, "counting", 0, overrides, steps=4, start=2, abrupt=True)]
+        for name in (bench.ablation.DEFAULT, "verl_lr1e-3", bench.CEILING)
+    }
+    for (run,) in runs.values():
+        assert {"tracking_ev", "worst_ev", "recover_steps"} <= set(run) and run["curve"][-1][0] == 4
+    rows = bench.table(runs).splitlines()[2:]
+    assert len(rows) == 3 and "(verl-best)" in rows[1] and "(ceiling)" in rows[2]
