@@ -2,6 +2,8 @@
 
 One iteration: draw rollouts → `compute_values` → GAE (`gamma`, `lam`) → `update_critic` → every `eval_every`
 steps, explained variance of the values against the true values (built-in tasks) and the Monte-Carlo returns.
+Under `task.drift` the built-in task's policy moves: iteration k's rollouts and the evaluation at step k come from
+`task.at(k)`, and the last row adds how the critic tracked it (`tracking_metrics`).
 """
 
 from __future__ import annotations

@@ -91,12 +91,14 @@ DRIFTS = ("none", "ramp", "step")
 def check_drift(config: Any) -> None:
     """`drift` is a known schedule, `drift_start` >= 0, `drift_steps` >= 1, and under a drift `drift_to` a value of
     the drifting option (as many entries as it has, for a tuple)."""
-    require(config, config.drift in DRIFTS, "drift", f"must be one of {', '.join(DRIFTS)}, got {config.drift!r}")
+    known = f"must be one of {', '.join(DRIFTS)} (task.drift=...), got {config.drift!r}"
+    require(config, config.drift in DRIFTS, "drift", known)
     check_ints(config, "drift_start", "drift_steps")
     check_at_least(config, "drift_start", 0)
     check_at_least(config, "drift_steps", 1)
     origin, end = config.drift_origin(), config.drift_to
     if config.drift != "none" and isinstance(origin, tuple) and isinstance(end, tuple):
         field = config.drift_field
-        require(config, len(end) == len(origin), "drift_to", f"needs {len(origin)} entries like {field}, got {end!r}")
+        message = f"needs {len(origin)} entries, one per entry of {field}, got {end!r}"
+        require(config, len(end) == len(origin), "drift_to", message)
     config.check_drift_end()
