@@ -31,8 +31,9 @@ class DriftOptions:
     drift_field: ClassVar[str]  # the task's option that drifts; `drift_to` is its value at the end of the drift
 
     drift: str = "none"
-    """how the rollout policy moves over the iterations: none (fixed), ramp (linearly from its configured value to
-    drift_to over drift_steps iterations from drift_start), step (it jumps to drift_to at iteration drift_start)"""
+    """how the rollout policy moves over the iterations: none (fixed), ramp (the option drift_to names moves linearly
+    from its configured value to drift_to over drift_steps iterations from drift_start), step (it jumps to drift_to at
+    iteration drift_start)"""
     drift_start: int = 100
     """the first iteration (counted from 0) whose rollouts come from a moved policy (drift=ramp or step)"""
     drift_steps: int = 300
