@@ -339,3 +339,51 @@ def test_a_sparse_reward_run_through_the_command_learns_from_its_first_batch(tmp
     for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):
         assert row["critic/vf_loss"] < 1.0 and row["critic/grad_norm"] > 0 and row["critic/vf_clipfrac"] < 1.0
         assert row["critic/value_norm_mean"] == 0.0 and row["critic/value_norm_std"] == 1.0
+
+
+def test_a_decay_weights_the_statistics_held_before_each_merge():
+    """value_norm_decay β: the statistics are the mean and variance of every return seen, a return of k updates ago
+    weighted β^k (an exponentially weighted window), computed here directly."""
+    decay, norm, seen, weights = 0.5, ValueNormalizer("running", decay=0.5), [], []
+    for seed in range(4):
+        batch = shifted_batch(seed, scale=1.0 + seed, shift=3.0 * seed)
+        mask = batch["attention_mask"][:, -5:]
+        norm.update(batch["returns"], mask)
+        weights = [w * decay for w in weights] + [torch.ones(int(mask.sum()), dtype=torch.float64)]
+        seen.append(batch["returns"][mask.bool()].double())
+    x, w = torch.cat(seen), torch.cat(weights)
+    mean = (w * x).sum() / w.sum()
+    assert norm.count.item() == pytest.approx(w.sum().item(), rel=1e-12)
+    assert norm.mean.item() == pytest.approx(mean.item(), rel=1e-12)
+    assert norm.var.item() == pytest.approx(((w * (x - mean) ** 2).sum() / w.sum()).item(), rel=1e-12)
+    assert norm.snapshot().decay == decay
+
+
+def test_a_decaying_normaliser_follows_returns_that_move_and_the_default_keeps_them_all():
+    kept, forgetting = ValueNormalizer("running"), ValueNormalizer("running", decay=0.8)
+    for seed in range(20):
+        batch = shifted_batch(seed, scale=1.0, shift=10.0 * seed)
+        for norm in (kept, forgetting):
+            norm.update(batch["returns"], batch["attention_mask"][:, -5:])
+    # the returns' mean rises by 10 per update: a window of 1 / (1 − 0.8) = 5 updates lags ~10·0.8/0.2 = 40 behind
+    # the last batch's ~190, the whole history ~95
+    assert forgetting.mean.item() > 140 > 100 > kept.mean.item()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"value_norm": "running", "value_norm_decay": 0}, r"value_norm_decay=0(\.0)? must be a number in \(0, 1\]"),
+        ({"value_norm": "running", "value_norm_decay": 1.5}, r"value_norm_decay=1.5 must be a number in \(0, 1\]"),
+        ({"value_norm": "running", "value_norm_decay": True}, r"value_norm_decay=True must be a number"),
+        ({"value_norm": "off", "value_norm_decay": 0.9}, "value_norm_decay=0.9 needs value_norm=running or popart"),
+    ],
+)
+def test_a_bad_value_norm_decay_is_named(changes, message):
+    with pytest.raises(ValueError, match=message):
+        CriticConfig.from_any({"ppo_mini_batch_size": 4, **changes})
+
+
+def test_a_critic_takes_its_decay_from_the_config(tiny_qwen2):
+    critic = critic_with(tiny_qwen2, "popart", value_norm_decay=0.9)
+    assert (critic.value_norm.mode, critic.value_norm.decay) == ("popart", 0.9)

@@ -229,6 +229,9 @@ class CriticConfig:
     value_norm: str | bool = "off"
     """off; running (the model predicts returns normalised by their running mean and std); popart (running, and
     the head is rescaled when the statistics move). A bare off in YAML reads as false, the same"""
+    value_norm_decay: float = 1.0
+    """the weight the return statistics already hold keep at each update: 1 counts every return seen alike; below 1
+    they forget, an exponential window of ~1 / (1 − value_norm_decay) updates (for a policy that moves)"""
     ema_decay: float = 0.0
     """> 0: compute_values (and the HF export) use a moving average of the weights with this decay; 0: off"""
     ema_warmup: bool = False
@@ -351,7 +354,7 @@ class CriticConfig:
             errors.append(f"dtype={self.dtype!r} is unknown; use one of {sorted(DTYPES)} or null for the default")
         if not _positive_number(self.huber_delta):
             errors.append(f"huber_delta={self.huber_delta!r} must be a positive (finite) number")
-        errors += self.ema_errors() + self.param_dtype_errors()
+        errors += self.value_norm_errors() + self.ema_errors() + self.param_dtype_errors()
         for name in ("cliprange_value", "grad_clip", "loss_scale_factor"):
             value = getattr(self, name)
             if value is not None and not _positive_number(value):
@@ -405,6 +408,15 @@ class CriticConfig:
             if self.model.value_head_dtype not in (None, "float32", "fp32"):
                 errors.append("model.value_head_dtype: the megatron value head is always float32; set null or float32")
         return errors
+
+    def value_norm_errors(self) -> list[str]:
+        """`value_norm_decay` is a number in (0, 1], below 1 only where there are statistics to forget."""
+        decay = self.value_norm_decay
+        if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 < decay <= 1:
+            return [f"value_norm_decay={decay!r} must be a number in (0, 1] (1: every return counts alike; e.g. 0.95)"]
+        if decay < 1 and self.value_norm in ("off", False):
+            return [f"value_norm_decay={decay} needs value_norm=running or popart (there are no statistics to forget)"]
+        return []
 
     def ema_errors(self) -> list[str]:
         """`ema_decay` is a number in [0, 1) and works where the average can live beside the parameters."""

@@ -12,7 +12,9 @@
 
 The statistics are updated once per `update_critic` call, before its first step, from the call's valid returns;
 they are sums (count, sum, sum of squares) reduced over the data-parallel ranks, merged into the running values
-(Chan et al.'s parallel variance), so every rank holds the same μ, σ.
+(Chan et al.'s parallel variance), so every rank holds the same μ, σ. With `value_norm_decay` below 1 the statistics
+held are weighted by it before each merge (an exponentially weighted mean and variance), so they follow a policy
+whose returns move instead of averaging over its whole history.
 
 **No spread, no statistics.** They start at the first batch whose returns *vary*: σ of at least
 `MIN_STD · max(1, |mean|)`. Until then μ = 0, σ = 1 (the identity), and a batch without spread — the all-zero first
@@ -29,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from ppo_critic.config.critic import CriticConfig
 from ppo_critic.config.modes import VALUE_NORM_MODES
 
 MIN_STD = 1e-4  # σ's floor once the statistics have started, and the spread (× max(1, |mean|)) that starts them
@@ -38,13 +41,18 @@ STATE_KEYS = ("value_norm/count", "value_norm/mean", "value_norm/var")
 class ValueNormalizer:
     """Running mean/variance of the returns (float64) and the maps between raw and normalised values."""
 
-    def __init__(self, mode: str = "off", device: torch.device | str = "cpu"):
+    def __init__(self, mode: str = "off", device: torch.device | str = "cpu", decay: float = 1.0):
         if mode not in VALUE_NORM_MODES:
             raise ValueError(f"value_norm={mode!r} is unknown; expected one of {VALUE_NORM_MODES}")
-        self.mode = mode
+        self.mode, self.decay = mode, decay
         self.count = torch.zeros((), dtype=torch.float64, device=device)
         self.mean = torch.zeros((), dtype=torch.float64, device=device)
         self.var = torch.ones((), dtype=torch.float64, device=device)
+
+    @classmethod
+    def of(cls, config: CriticConfig, device: torch.device | str) -> ValueNormalizer:
+        """The normaliser a critic's config asks for (`value_norm`, `value_norm_decay`)."""
+        return cls(config.value_norm, device, config.value_norm_decay)
 
     @property
     def enabled(self) -> bool:
@@ -87,10 +95,11 @@ class ValueNormalizer:
         batch_var = (total_sq / n - batch_mean**2).clamp(min=0.0)
         if self.count.item() == 0 and not has_spread(batch_mean, batch_var):
             return
-        merged = self.count + n
+        held = self.count * self.decay
+        merged = held + n
         delta = batch_mean - self.mean
         new_mean = self.mean + delta * n / merged
-        new_var = (self.count * self.var + n * batch_var + delta**2 * self.count * n / merged) / merged
+        new_var = (held * self.var + n * batch_var + delta**2 * held * n / merged) / merged
         old_mean, old_std = self.mean, self.std
         self.count, self.mean, self.var = merged, new_mean, new_var
         if self.mode == "popart":
@@ -100,7 +109,7 @@ class ValueNormalizer:
 
     def snapshot(self) -> ValueNormalizer:
         """A copy of the statistics as they are now (e.g. those that gave the old values, before an update)."""
-        copy = ValueNormalizer(self.mode, self.mean.device)
+        copy = ValueNormalizer(self.mode, self.mean.device, self.decay)
         copy.count, copy.mean, copy.var = self.count.clone(), self.mean.clone(), self.var.clone()
         return copy
 

@@ -106,7 +106,7 @@ class DataParallelPPOCritic(PPOCriticBase):
         self.use_remove_padding = self._packs()
         if self.sp_size > 1:
             check_heads_of(critic_module, self.sp_size)
-        self.value_norm = ValueNormalizer(self.config.value_norm, self.device)
+        self.value_norm = ValueNormalizer.of(self.config, self.device)
         self.ema = None
         if self.config.ema_decay:
             from torch.distributed.fsdp import FullyShardedDataParallel

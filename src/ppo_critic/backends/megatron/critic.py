@@ -125,7 +125,7 @@ class MegatronPPOCritic(PPOCriticBase):
         self.vocab_size = getattr(unwrap(chunks[0]), "vocab_size", None)
         shape, world = ModelShape.from_megatron(self.tf_config), torch.distributed.get_world_size()
         self.perf = Perf(shape, world, self.device, self.tf_config.params_dtype)
-        self.value_norm = ValueNormalizer(self.config.value_norm, self.device)  # popart is rejected by the config
+        self.value_norm = ValueNormalizer.of(self.config, self.device)  # popart is rejected by the config
         # averaged per rank over its TP/PP slice: the model parameters, not the optimizer's main copies (which
         # rewrite the model parameters at its next step anyway, so swapping the average in and out is safe)
         decay = self.config.ema_decay
