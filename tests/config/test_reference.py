@@ -174,3 +174,12 @@ def test_a_config_file_may_be_empty_start_with_a_byte_order_mark_or_be_missing(t
         read_yaml_options(tmp_path / "no.yaml")
     with pytest.raises(ValueError, match=f"--config {tmp_path} is a directory; give the YAML file of options"):
         read_yaml_options(tmp_path)
+
+
+def test_every_value_objective_is_described_in_the_help_from_config_modes(monkeypatch):
+    from ppo_critic.config import modes
+
+    monkeypatch.setitem(modes.VF_LOSS_TYPES, "hl_gauss", "a histogram over value bins")
+    (line,) = [o for o in options.train_options(TrainConfig()) if o.key == "critic.vf_loss_type"]
+    for name, what in modes.VF_LOSS_TYPES.items():
+        assert f"{name} ({what})" in line.doc

@@ -222,8 +222,7 @@ class CriticConfig:
     loss_scale_factor: float | None = None
     """the divisor of seq-mean-token-sum-norm's per-sequence sums; null: the response width (verl)"""
     vf_loss_type: str = "mse"
-    """mse; huber (quadratic within huber_delta of the return, linear beyond); bce (0/1 rewards: value
-    sigmoid(logit), loss the cross entropy against the return clipped to [0, 1])"""
+    """the value objective, one module each in critics/objectives/"""
     huber_delta: float = 1.0
     """δ of the huber loss"""
     value_norm: str | bool = "off"

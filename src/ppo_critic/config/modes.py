@@ -5,7 +5,12 @@
 """
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# the value objectives, one module each in critics/objectives/ (a research script may `register` more at run time)
-VF_LOSS_TYPES = ["mse", "huber", "bce"]
+# the value objectives, one module each in critics/objectives/ (a research script may `register` more at run time),
+# each with what `--help` says of it
+VF_LOSS_TYPES = {
+    "mse": "verl's clipped squared error",
+    "huber": "quadratic within huber_delta of the return, linear beyond",
+    "bce": "0/1 rewards: value sigmoid(logit), loss the cross entropy against the return clipped to [0, 1]",
+}
 VALUE_NORM_MODES = ("off", "running", "popart")
 LENGTH_ADAPTIVE_SCOPES = ("response", "batch")  # whose length sets the length-adaptive λ

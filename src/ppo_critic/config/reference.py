@@ -19,10 +19,13 @@ from typing import Any
 
 import yaml
 
+from ppo_critic.config.modes import VF_LOSS_TYPES
 from ppo_critic.config.tasks import TASK_CONFIGS
 from ppo_critic.config.train import DEFAULT_MODEL, TrainConfig
 
 MARKDOWN_COMMAND = "python -m ppo_critic.config.reference > docs/options.md"
+# options whose choices config/modes.py describes, each choice with its description
+CHOICES = {"critic.vf_loss_type": VF_LOSS_TYPES}
 # sections of `train --help`, in this order ("": the top-level options)
 HELP_SECTIONS = ("trainer", "critic", "critic.model", "critic.optim", "critic.megatron", "task", "")
 YAML_HEADER = """\
@@ -88,7 +91,7 @@ def _walk(obj: Any, prefix: str) -> list[Option]:
         elif dataclasses.is_dataclass(value):
             options += [Option(key, None, doc, section=True), *_walk(value, f"{key}.")]
         else:
-            options.append(Option(key, value, doc + _default_model_note(key)))
+            options.append(Option(key, value, doc + _choices_note(key) + _default_model_note(key)))
     return options
 
 
@@ -103,6 +106,12 @@ def _task_options(cfg: TrainConfig) -> list[Option]:
         Option(f"task.{f.name}", getattr(task, f.name), docs.get(f.name, ""), is_set=f.name in cfg.task)
         for f in sorted(dataclasses.fields(task), key=lambda f: f.name.startswith("drift"))
     ]
+
+
+def _choices_note(key: str) -> str:
+    """`: name (what it is); ...` for an option whose choices are listed in config/modes.py (a new one shows itself)."""
+    choices = CHOICES.get(key, {})
+    return (": " + "; ".join(f"{name} ({what})" for name, what in choices.items())) if choices else ""
 
 
 def _default_model_note(key: str) -> str:

@@ -23,9 +23,10 @@ from ppo_critic.critics.value_norm import ValueNormalizer
 @pytest.fixture(autouse=True)
 def forget_registrations():
     """What a test registers is gone after it: other tests see the built-in objectives only."""
-    names, registered = list(VF_LOSS_TYPES), dict(objectives._REGISTERED)
+    names, registered = dict(VF_LOSS_TYPES), dict(objectives._REGISTERED)
     yield
-    VF_LOSS_TYPES[:] = names
+    VF_LOSS_TYPES.clear()
+    VF_LOSS_TYPES.update(names)
     objectives._REGISTERED.clear()
     objectives._REGISTERED.update(registered)
 

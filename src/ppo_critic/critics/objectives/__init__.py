@@ -54,8 +54,7 @@ _REGISTERED: dict[str, Builder] = {}
 def register(name: str, build: Builder) -> None:
     """Make `critic.vf_loss_type=name` select `build(config)`: an objective defined outside this package."""
     _REGISTERED[name] = build
-    if name not in VF_LOSS_TYPES:
-        VF_LOSS_TYPES.append(name)
+    VF_LOSS_TYPES.setdefault(name, "registered at run time")
 
 
 def objective_of(config: CriticConfig) -> ValueObjective:
