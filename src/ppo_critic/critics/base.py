@@ -46,6 +46,9 @@ def meta_setting(meta: dict[str, Any], key: str, default: Any, kind: type) -> An
     return int(value)  # its range is checked where it is used (batching.py), naming the config keys too
 
 
+ToOutputs = Callable[[Tensor], Tensor]  # raw returns or old values -> the model's output space
+
+
 def empty_mini_batch(batch: Batch) -> Batch:
     """A stand-in mini-batch with no valid tokens (row 0, its response mask zeroed): it contributes nothing to the
     loss, the gradient or the counts, but runs the forward/backward and collectives of a real one."""
@@ -258,16 +261,21 @@ class PPOCriticBase:
     def _normalised_targets(self, batch: Batch) -> Batch:
         """With `value_norm`: update the return statistics from this call's returns, then `batch` with the returns
         and the old values in the model's output space (`ValueNormalizer.normalise_old_values`)."""
-        norm = self.value_norm
-        if not norm.enabled:
+        if not self.value_norm.enabled:
             return batch
-        served = norm.snapshot()
-        self.update_value_norm(batch["returns"], batch.response_mask)
-        targets = {
-            "returns": norm.normalise(batch["returns"]),
-            "values": norm.normalise_old_values(batch["values"], served),
-        }
+        to_returns, to_values = self.target_maps(batch["returns"], batch.response_mask)
+        targets = {"returns": to_returns(batch["returns"]), "values": to_values(batch["values"])}
         return dataclasses.replace(batch, tensors=batch.tensors | targets)
+
+    def target_maps(self, returns: Tensor, mask: Tensor, update: bool = True) -> tuple[ToOutputs, ToOutputs]:
+        """Under `value_norm`, the maps of returns and of old values into the model's output space, after merging
+        the valid `returns` into the statistics (`update`); the old values map by the statistics that served them
+        (`ValueNormalizer.normalise_old_values`). Shared by `update_critic` and verl's engine."""
+        norm = self.value_norm
+        served = norm.snapshot()
+        if update:
+            self.update_value_norm(returns, mask)
+        return norm.normalise, lambda values: norm.normalise_old_values(values, served)
 
     def _metrics(self, metrics: UpdateMetrics, batch: Batch, elapsed_s: float) -> dict[str, float]:
         """`critic/*` in raw return space (the loss excepted: it is in normalised space under `value_norm`)."""

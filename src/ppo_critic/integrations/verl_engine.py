@@ -251,16 +251,13 @@ class PPOCriticEngine(BaseEngine):
         that space. Training first merges this mini-batch's returns into the statistics (over DP, before its step;
         ppo-critic's own `update_critic` merges the whole call's before its first step: the two agree when a call
         is one mini-batch, and the statistics agree after every call; each further epoch merges the same returns
-        again, which leaves their mean and variance as they are and only weighs the call more against earlier ones)."""
-        critic = self._critic
-        norm = critic.value_norm
-        if not norm.enabled:
+        again, which leaves their mean and variance as they are and only weighs the call more against earlier ones;
+        under `value_norm_decay` < 1 each merge also decays what the statistics held, so they forget faster there)."""
+        if not self._critic.value_norm.enabled:
             return
-        served = norm.snapshot()  # old values: the outputs they came from (`ValueNormalizer.normalise_old_values`)
-        if update:
-            critic.update_value_norm(flat(data["returns"]), flat(data["response_mask"]))
-        data["returns"] = map_flat(data["returns"], norm.normalise)
-        data["values"] = map_flat(data["values"], lambda values: norm.normalise_old_values(values, served))
+        to_returns, to_values = self._critic.target_maps(flat(data["returns"]), flat(data["response_mask"]), update)
+        data["returns"] = map_flat(data["returns"], to_returns)
+        data["values"] = map_flat(data["values"], to_values)
 
     def get_data_parallel_size(self) -> int:
         return self.layout.dp
