@@ -110,14 +110,14 @@ def by_config(results: list[dict]) -> dict[str, list[dict]]:
 
 
 def report(paths: list[Path]) -> str:
-    """A table per result file (a task under one drift), titled with its schedule."""
+    """A table per task and schedule (a result file holds one task under one kind of drift), titled with it."""
     parts = []
     for path in paths:
-        results = load(path)
-        if results:
-            first = results[0]
-            title = f"### {first['task']}, {' '.join(first['drift'])}, {first['steps_budget']} iterations"
-            parts += [title, "", table(by_config(results)), ""]
+        schedules: dict[tuple, list[dict]] = {}
+        for r in load(path):
+            schedules.setdefault((r["task"], *r["drift"], r["steps_budget"]), []).append(r)
+        for (task, *drift, steps), results in schedules.items():
+            parts += [f"### {task}, {' '.join(drift)}, {steps} iterations", "", table(by_config(results)), ""]
     return "\n".join(parts)
 
 
