@@ -10,9 +10,11 @@
 | scale    | rewards in [-30, 50] around 10: value normalisation     | linear in the running mean     |
 
 Each module's docstring gives its generative process and closed form; every task offers the members of
-`ppo_critic.tasks.common.Task`. `TASK_CONFIGS` (name -> options dataclass, all in `ppo_critic.config.tasks`) is
-torch-free, so configs load and `--help` runs without torch; the task classes (`TASKS`: name -> (task class, options
-dataclass), and each class by its name) are imported on first use.
+`ppo_critic.tasks.common.Task`. Every task takes a policy schedule, `task.drift` (one option of its process moves
+over the iterations: `ppo_critic.config.tasks.DriftOptions`); `task.at(step)` is the fixed task of iteration `step`.
+`TASK_CONFIGS` (name -> options dataclass, all in `ppo_critic.config.tasks`) is torch-free, so configs load and
+`--help` runs without torch; the task classes (`TASKS`: name -> (task class, options dataclass), and each class by
+its name) are imported on first use.
 """
 
 from __future__ import annotations

@@ -48,6 +48,10 @@ class Task(Protocol):
         `responses`, `response_mask`, `token_level_rewards`, each [n, R]."""
         ...
 
+    def at(self, step: int) -> Task:
+        """The fixed task of iteration `step` under the options' `drift` (itself when nothing moves)."""
+        ...
+
 
 @dataclass(frozen=True)
 class TokenBlock:
