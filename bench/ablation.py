@@ -176,6 +176,18 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
             ("seqmean", "every response weighted alike", ["critic.loss_agg_mode=seq-mean-token-mean"]),
         )
     },
+    # levers for a moving policy (issue 41, bench/drift.py), each on the default
+    **{
+        f"batch_alpha0.5_lr5e-4_{suffix}": (f"batch_alpha0.5_lr5e-4 (the default): {what}", [*BATCH, *extra])
+        for suffix, what, extra in (
+            ("vnd0.9", "return statistics that forget, decay 0.9", ["critic.value_norm_decay=0.9"]),
+            ("vnd0.99", "return statistics that forget, decay 0.99", ["critic.value_norm_decay=0.99"]),
+            ("noema", "no weight average", ["critic.ema_decay=0.0"]),
+            ("ema0.5", "EMA 0.5", ["critic.ema_decay=0.5"]),
+            ("epochs2", "2 passes over each batch (2× the critic's work)", ["critic.ppo_epochs=2"]),
+            ("lr1e-3", "at lr 1e-3", ["critic.optim.lr=1e-3"]),
+        )
+    },
     "adaptive_ema_lr3e-4": (
         "adaptive_running_lr3e-4 without value_norm",
         [*VERL, "critic.ema_decay=0.9", "trainer.length_adaptive_alpha=0.2", "critic.optim.lr=3e-4"],

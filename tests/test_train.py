@@ -325,3 +325,13 @@ def test_the_curves_title_names_the_lambda_rule(overrides, shown):
     cfg = load_config(None, overrides)
     title = train_mod.run_title(cfg, type("Source", (), {"name": "task counting"})())
     assert title.endswith(shown) and "task counting" in title
+
+
+def test_rollout_n_draws_groups_of_responses_to_one_prompt_and_the_held_out_set_does_not(tmp_path):
+    cfg = short_config(tmp_path / "run", "critic.rollout_n=4", "critic.ppo_mini_batch_size=2")
+    source = train_mod.TaskSource(cfg)
+    width = source.task.prompt_width
+    prompts = source.next_batch()["input_ids"][:, :width]
+    assert torch.equal(prompts, prompts[::4].repeat_interleave(4, dim=0))
+    held_out = source.eval_batch["input_ids"][:, :width]
+    assert not torch.equal(held_out[0::4], held_out[1::4])

@@ -77,6 +77,7 @@ class TaskSource:
         self.name = f"task {name}"
         self.task = TASKS[name][0](cfg.task_config())
         self.batch_size, self.gamma = cfg.trainer.rollout_batch_size, cfg.trainer.gamma
+        self.group = cfg.critic.rollout_n  # responses per prompt, in consecutive rows
         self.generator = torch.Generator().manual_seed(cfg.trainer.seed)
         self.held_out_seed, self.eval_size = cfg.trainer.seed + 1_000_003, cfg.trainer.eval_size
         self.eval_batch = self._held_out(self.task)
@@ -95,7 +96,7 @@ class TaskSource:
         return self.task.config.drift != "none"
 
     def next_batch(self) -> dict[str, Tensor]:
-        batch = self.task.at(self.step).sample(self.batch_size, self.generator)
+        batch = self.task.at(self.step).sample(self.batch_size, self.generator, self.group)
         self.step += 1
         return batch
 

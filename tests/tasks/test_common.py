@@ -230,3 +230,23 @@ def test_check_order_blames_the_named_field_and_probabilities_need_a_list():
     for bad in [(), (0.5, 1.0), (0.0,), 0.5, ("a",), (float("nan"),)]:
         with pytest.raises(ValueError, match=r"_Lengths\.probs must be a non-empty list of probabilities"):
             check_probabilities(_Lengths(probs=bad), "probs")
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_a_group_is_one_prompt_with_independent_responses_in_consecutive_rows(name):
+    task = TASKS[name][0]()
+    batch = task.sample(12, torch.Generator().manual_seed(0), group=4)
+    prompts = batch["input_ids"][:, : task.prompt_width]
+    assert torch.equal(prompts, prompts[::4].repeat_interleave(4, dim=0))
+    assert len({tuple(r.tolist()) for r in prompts[::4]}) == 3
+    responses = batch["responses"].view(3, 4, -1)
+    assert any(not torch.equal(g[0], g[i]) for g in responses for i in range(1, 4))
+    torch.testing.assert_close(batch["true_values"], task.true_values(batch), rtol=0, atol=0)
+
+
+def test_a_group_of_one_is_the_plain_sample():
+    task = TASKS["counting"][0]()
+    one, plain = (task.sample(8, torch.Generator().manual_seed(3), *g) for g in ((1,), ()))
+    assert all(torch.equal(one[k], plain[k]) for k in plain)
+    with pytest.raises(ValueError, match="group=3 must be a positive integer dividing batch_size=8"):
+        task.sample(8, torch.Generator(), group=3)

@@ -248,7 +248,8 @@ class CriticConfig:
     """bfloat16: parameters and gradients in bf16 on the device, float32 master weights in the optimizer (strategy
     none or ddp; fsdp2 keeps float32 shards and gathers them in dtype by itself); null or float32: float32 parameters"""
     rollout_n: int = 1
-    """responses per prompt (verl's actor_rollout_ref.rollout.n); ppo_mini_batch_size counts prompts"""
+    """responses per prompt (verl's actor_rollout_ref.rollout.n); ppo_mini_batch_size counts prompts. ppo-critic
+    train's tasks draw trainer.rollout_batch_size / rollout_n prompts, each with rollout_n responses"""
     enable: bool | None = None
     """verl's switch for using a critic (null: the algorithm decides); accepted, not read"""
     checkpoint: dict = field(default_factory=dict)

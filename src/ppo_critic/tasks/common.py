@@ -35,8 +35,9 @@ class Task(Protocol):
     prompt_width: int
     response_width: int
 
-    def sample(self, batch_size: int, generator: torch.Generator) -> dict[str, Tensor]:
-        """A batch of rollouts (DESIGN §3 layout) with `token_level_rewards` and `true_values` (γ = 1)."""
+    def sample(self, batch_size: int, generator: torch.Generator, group: int = 1) -> dict[str, Tensor]:
+        """A batch of rollouts (DESIGN §3 layout) with `token_level_rewards` and `true_values` (γ = 1); `group`
+        responses per prompt."""
         ...
 
     def true_values(self, batch: Any, gamma: float = 1.0) -> Tensor:
@@ -116,10 +117,14 @@ class BuiltinTask(ABC):
         """R: the longest response."""
         return self.config.max_response_len
 
-    def sample(self, batch_size: int, generator: torch.Generator) -> dict[str, Tensor]:
-        """A batch of `batch_size` rollouts with rewards and true values; deterministic given the generator state."""
+    def sample(self, batch_size: int, generator: torch.Generator, group: int = 1) -> dict[str, Tensor]:
+        """A batch of `batch_size` rollouts with rewards and true values; deterministic given the generator state.
+        `group` > 1: `batch_size / group` prompts, each with `group` independent responses in consecutive rows
+        (verl's `rollout.n`, what group baselines and GRPO see)."""
         check_batch_size(batch_size)
-        prompts, prompt_mask, header = self._draw_prompts(batch_size, generator)
+        check_group(batch_size, group)
+        drawn = self._draw_prompts(batch_size // group, generator)
+        prompts, prompt_mask, header = drawn if group == 1 else repeat_rows(drawn, group)
         responses, lengths = self._responses(header, generator)
         rewards = self._rewards(responses, header, lengths)
         batch = rollout_batch(prompts, prompt_mask, responses, prefix_mask(lengths, self.response_width), rewards)
@@ -248,6 +253,19 @@ def integers(low: int, high: int, shape: tuple[int, ...], generator: torch.Gener
 def repeat_row(values: tuple[Tensor, ...], row: int, n: int) -> tuple[Tensor, ...]:
     """Each of `values` (per-row tensors [B]) reduced to row `row`, repeated `n` times."""
     return tuple(v[row : row + 1].expand(n) for v in values)
+
+
+def repeat_rows(values: Any, n: int) -> Any:
+    """Each row of every tensor in `values` (nested tuples) `n` times in consecutive rows."""
+    if isinstance(values, Tensor):
+        return values.repeat_interleave(n, dim=0)
+    return tuple(repeat_rows(v, n) for v in values)
+
+
+def check_group(batch_size: int, group: int) -> None:
+    """A group size is a positive integer that divides the batch."""
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1 or batch_size % group:
+        raise ValueError(f"group={group!r} must be a positive integer dividing batch_size={batch_size}")
 
 
 def check_prefix(t: int, length: int) -> None:
