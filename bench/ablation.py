@@ -110,6 +110,8 @@ PREVIOUS = [*VERL, "trainer.lam=0.5", "critic.ema_decay=0.9"]  # the defaults of
 RECIPE = [*VERL, "critic.ema_decay=0.9", "critic.value_norm=running"]  # λ 1 + weight averaging + running statistics
 ALPHA05 = [*RECIPE, "trainer.length_adaptive_alpha=0.5", "critic.optim.lr=3e-4"]  # the default recipe
 BATCH = [*ALPHA05, "critic.optim.lr=5e-4", "trainer.length_adaptive_scope=batch"]  # α 0.5 from ALPHA05
+LAM1, NOEMA, POPART = "trainer.length_adaptive_alpha=null", "critic.ema_decay=0.0", "critic.value_norm=popart"
+VND99, NOCLIP = ["critic.value_norm_decay=0.99"], "critic.cliprange_value=null"
 COSINE = ["critic.optim.warmup_style=cosine", "critic.optim.min_lr_ratio=0.1"]  # over trainer.steps, the budget
 CONFIGS: dict[str, tuple[str, list[str]]] = {
     **{f"verl_lr{lr}": (f"verl's critic at lr {lr}", [*VERL, f"critic.optim.lr={lr}"]) for lr in BASELINE_LRS},
@@ -186,6 +188,12 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
             ("ema0.5", "EMA 0.5", ["critic.ema_decay=0.5"]),
             ("epochs2", "2 passes over each batch (2× the critic's work)", ["critic.ppo_epochs=2"]),
             ("lr1e-3", "at lr 1e-3", ["critic.optim.lr=1e-3"]),
+            ("lam1", "Monte-Carlo targets (λ 1: no bootstrap from a lagging critic)", [LAM1]),
+            ("lam1_noema", "λ 1 and no weight average", [LAM1, "critic.ema_decay=0.0"]),
+            ("nonorm_lam1", "no return normalisation, λ 1", ["critic.value_norm=off", LAM1]),
+            ("nonorm_noema", "no return normalisation, no weight average", ["critic.value_norm=off", NOEMA]),
+            ("popart", "PopArt (outputs kept while the statistics move; no weight average)", [POPART, NOEMA]),
+            ("vnd0.99_noclip", "statistics that forget (0.99), no value clipping", [*VND99, NOCLIP]),
         )
     },
     "adaptive_ema_lr3e-4": (
