@@ -8,6 +8,7 @@ version and option errors never import torch: the commands import what they run 
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import signal
 import sys
@@ -268,8 +269,21 @@ def _worker_for(source: Path, overrides: list[str]) -> tuple[Any, TrainConfig]:
         return worker, cfg
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is neither a run directory nor a model directory")
-    cfg = load_config(None, [*overrides, f"critic.model.path={source}"])
+    cfg = load_config(None, [*_exported_objective(source), *overrides, f"critic.model.path={source}"])
     return make_worker(cfg), cfg
+
+
+def _exported_objective(model_dir: Path) -> list[str]:
+    """`critic.vf_loss_type=X` when the export in `model_dir` names an objective whose outputs are not the values
+    (config.json's `EXPORTED_OBJECTIVE`); an option given on the command line comes after it and wins."""
+    from ppo_critic.config.modes import EXPORTED_OBJECTIVE
+
+    try:
+        name = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get(EXPORTED_OBJECTIVE)
+    except (OSError, ValueError, AttributeError):
+        return []  # no readable config: the model loader says what is wrong
+    # an export holds no return statistics (folded into the head), and such objectives take none
+    return [f"critic.vf_loss_type={name}", "critic.value_norm=off"] if isinstance(name, str) else []
 
 
 class _Version(argparse.Action):

@@ -18,6 +18,7 @@ from torch import Tensor
 from ppo_critic.backends.build import lr_schedule, worker_config
 from ppo_critic.backends.data_parallel.backend import DataParallelBackend
 from ppo_critic.backends.megatron.backend import MegatronBackend
+from ppo_critic.config.modes import EXPORTED_OBJECTIVE
 from ppo_critic.data.batch import Batch
 from ppo_critic.parallel.collectives import all_gather_rows
 from ppo_critic.parallel.layout import ParallelLayout
@@ -139,6 +140,8 @@ class CriticWorker:
         into the value head (`w·σ`, `b·σ + μ`); under `ema_decay` the weights are the moving average. Either way the
         export gives the values `compute_values` gives. `out_dir` must not exist or be empty, unless `replace`
         (an export this worker's run wrote before: `checkpoint.export_hf`)."""
+        if self.config.vf_loss_type != "mse":  # config.json says how outputs become values
+            setattr(self.hf_config, EXPORTED_OBJECTIVE, self.config.vf_loss_type)
         with self.offload.resident(model=True), self.critic.averaged_weights():  # ema_decay: the values' average
             return self.backend.export_hf(out_dir, replace)
 

@@ -84,3 +84,30 @@ def test_megatron_gives_the_data_parallel_critics_bernoulli_values_and_update(tm
     (row,) = json.loads(out.read_text())
     assert row["round_trip_exact"] and row["values_max_abs"] <= 1e-4 and row["values_after_max_abs"] <= 1e-4, row
     assert row["update_rel"] <= 1e-4 and row["metric_rel"] <= 1e-4 and row["skipped"] == 0, row
+
+
+def test_values_of_a_bce_export_are_probabilities_as_from_its_run(tmp_path, capsys):
+    """An export's config.json names an objective whose outputs are not the values; `ppo-critic values` on it gives
+    σ(logit), the run directory's values, unless the command line says otherwise."""
+    from test_cli import run_cli
+    from test_train import SHORT, write_rollout_file
+
+    data, run, exported = tmp_path / "rollouts.jsonl", tmp_path / "run", tmp_path / "exported"
+    write_rollout_file(data, 12)
+    bce = ["critic.vf_loss_type=bce", "critic.value_norm=off"]
+    argv = ["train", f"data={data}", f"trainer.run_dir={run}", *SHORT, *bce]
+    assert run_cli(argv, capsys)[0] == 0
+    assert run_cli(["export", str(run), str(exported)], capsys)[0] == 0
+    assert json.loads((exported / "config.json").read_text())["ppo_critic_vf_loss_type"] == "bce"
+
+    def values(source, *extra):
+        out = tmp_path / f"values_{len(list(tmp_path.glob('values_*')))}.jsonl"
+        code, text = run_cli(["values", str(source), f"data={data}", f"out={out}", *extra], capsys)
+        assert code == 0, text
+        return torch.tensor([v for line in out.read_text().splitlines() for v in json.loads(line)["values"]])
+
+    from_run, from_export = values(run), values(exported)
+    assert ((from_export > 0) & (from_export < 1)).all()
+    torch.testing.assert_close(from_export, from_run, rtol=1e-5, atol=1e-5)  # conftest.FP32_REORDERED's bound
+    logits = values(exported, "critic.vf_loss_type=mse")  # the command line wins: the head's raw outputs
+    torch.testing.assert_close(torch.sigmoid(logits), from_export, rtol=1e-5, atol=1e-5)
