@@ -414,3 +414,19 @@ def test_a_runs_saved_config_given_as_config_file_decides_no_code(run, tmp_path,
     shutil.copy(run / "config.yaml", tmp_path / "mine.yaml")
     shown = yaml.safe_load(cli(["train", "--config", tmp_path / "mine.yaml", "--print-config"], capsys)[1])
     assert shown["critic"]["model"]["external_lib"] == "no_such_module_ppo_critic_test"
+
+
+def test_two_values_commands_to_one_new_file_never_lose_a_result_in_silence(run, rollouts, tmp_path):
+    """Started together with the same new out=, both pass the check at the start; the one that finishes second is
+    refused (exit 2, naming the file) instead of replacing the first one's result, which stays whole."""
+    out = tmp_path / "values.jsonl"
+    argv = [sys.executable, "-m", "ppo_critic", "values", str(run), f"data={rollouts}", f"out={out}"]
+    processes = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in "ab"]
+    results = sorted((p.wait(timeout=300), p.stdout.read()) for p in processes)
+    (first, said), (second, refusal) = results
+    assert (first, second) == (0, 2), results
+    assert f"wrote values of 1 rollouts to {out}" in said
+    # refused at the end (the race this test sets up), or at the start where a loaded machine let the first finish
+    assert "appeared while this command ran" in refusal or "exists; choose a new file" in refusal, refusal
+    assert len(out.read_text().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporaries left

@@ -220,7 +220,7 @@ def _values(args: argparse.Namespace) -> int:
         batch = collate(rows[start : start + chunk])
         values_of = worker.compute_values(batch)
         values += [v[m.bool()].tolist() for v, m in zip(values_of, batch["response_mask"], strict=True)]
-    write_values(out, values)
+    write_values(out, values, replace=args.force)  # a file another command wrote meanwhile is kept
     print(f"wrote values of {len(values)} rollouts to {out}")
     return 0
 

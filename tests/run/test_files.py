@@ -198,3 +198,30 @@ def test_a_second_writer_is_refused_with_the_holders_name_until_it_ends(tmp_path
             time.sleep(0.05)
     assert f"pid {os.getpid()} on " in (run / LOCK_FILE).read_text()
     lock.release()
+
+
+def test_a_new_file_never_replaces_one_another_writer_made_meanwhile(tmp_path):
+    target = tmp_path / "out.jsonl"
+
+    def produce_while_another_writer_finishes(tmp: Path) -> None:
+        tmp.write_text("mine\n")
+        target.write_text("theirs\n")  # the other command's result lands between our check and our rename
+
+    with pytest.raises(OSError, match="appeared while this command ran") as err:
+        write_with(target, produce_while_another_writer_finishes, replace=False)
+    assert err.value.errno == errno.EEXIST
+    assert target.read_text() == "theirs\n" and sorted(os.listdir(tmp_path)) == ["out.jsonl"]
+    write_with(tmp_path / "new.jsonl", lambda tmp: tmp.write_text("mine\n"), replace=False)
+    assert (tmp_path / "new.jsonl").read_text() == "mine\n" and len(os.listdir(tmp_path)) == 2
+
+
+def test_without_hard_links_a_new_file_is_still_refused_over_another(tmp_path, monkeypatch):
+    def no_links(*args: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    write_with(tmp_path / "a", lambda tmp: tmp.write_text("a"), replace=False)
+    assert (tmp_path / "a").read_text() == "a"
+    with pytest.raises(OSError, match="appeared while this command ran"):
+        write_with(tmp_path / "a", lambda tmp: tmp.write_text("b"), replace=False)
+    assert (tmp_path / "a").read_text() == "a" and os.listdir(tmp_path) == ["a"]

@@ -11,11 +11,12 @@ from ppo_critic.rollout_files.read import file_format, import_parquet
 from ppo_critic.run.files import write_with
 
 
-def write_values(path: str | os.PathLike, values: Sequence[Sequence[float]]) -> None:
-    """Atomically write one `{"row": i, "values": [...]}` row per input row as `.jsonl` or `.parquet`."""
+def write_values(path: str | os.PathLike, values: Sequence[Sequence[float]], replace: bool = True) -> None:
+    """Atomically write one `{"row": i, "values": [...]}` row per input row as `.jsonl` or `.parquet`; `replace=False`
+    refuses a `path` another writer created meanwhile (`run.files.write_with`)."""
     writer = _write_jsonl if file_format(os.fspath(path)) == ".jsonl" else _write_parquet
     rows = _value_rows(values)
-    write_with(path, lambda tmp: writer(str(tmp), rows))
+    write_with(path, lambda tmp: writer(str(tmp), rows), replace)
 
 
 def _value_rows(values: Sequence[Sequence[float]]) -> list[list[float]]:

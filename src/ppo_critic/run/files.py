@@ -35,9 +35,10 @@ def write_file(path: str | os.PathLike, data: str | bytes) -> Path:
     return write_with(path, lambda tmp: tmp.write_bytes(payload))
 
 
-def write_with(path: str | os.PathLike, produce: Callable[[Path], object]) -> Path:
+def write_with(path: str | os.PathLike, produce: Callable[[Path], object], replace: bool = True) -> Path:
     """Atomically replace `path` with what `produce(tmp)` writes to the temporary path `tmp` (a library's own
-    writer: parquet, PNG, safetensors). Any failure removes `tmp` and leaves `path` as it was."""
+    writer: parquet, PNG, safetensors). Any failure removes `tmp` and leaves `path` as it was. `replace=False`: a
+    `path` that exists by the time the file is complete (another writer's) is never replaced: FileExistsError."""
     path = Path(path)
     parent = path.parent
     with explained_os_error(f"cannot create the directory {parent}"):
@@ -49,13 +50,40 @@ def write_with(path: str | os.PathLike, produce: Callable[[Path], object]) -> Pa
             produce(tmp)
             _set_mode(tmp, mode)  # the writer may have replaced the temporary file by one of its own (mkstemp: 0600)
             _fsync_file(tmp)
-            os.replace(tmp, path)
+            (os.replace if replace else _place_new)(tmp, path)
             fsync_dir(parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
     return path
+
+
+def _place_new(tmp: Path, path: Path) -> None:
+    """Give the complete file `tmp` the name `path` unless that name exists: a hard link is created atomically or
+    not at all (rename would replace), then `tmp` is unlinked. Where the file system has no hard links, the name is
+    checked just before the rename."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise _appeared(path) from None
+    except OSError as err:
+        if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        if path.exists():
+            raise _appeared(path) from None
+        os.replace(tmp, path)
+        return
+    os.remove(tmp)
+
+
+def _appeared(path: Path) -> FileExistsError:
+    """The refusal of an output another writer created while this one worked."""
+    return FileExistsError(
+        errno.EEXIST,
+        f"{path} appeared while this command ran (another writer?) and was kept; nothing was written: choose "
+        "another output, or pass --force to replace it",
+    )
 
 
 @contextlib.contextmanager
