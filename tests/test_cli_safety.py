@@ -430,3 +430,14 @@ def test_two_values_commands_to_one_new_file_never_lose_a_result_in_silence(run,
     assert "appeared while this command ran" in refusal or "exists; choose a new file" in refusal, refusal
     assert len(out.read_text().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporaries left
+
+
+def test_two_exports_to_one_new_directory_never_lose_a_result_in_silence(run, tmp_path):
+    out = tmp_path / "exported"
+    argv = [sys.executable, "-m", "ppo_critic", "export", str(run), str(out)]
+    processes = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in "ab"]
+    results = sorted((p.wait(timeout=300), p.stdout.read()) for p in processes)
+    assert [code for code, _ in results] == [0, 2], results
+    assert str(out) in results[1][1]
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporaries left
