@@ -179,3 +179,30 @@ def test_a_missing_package_stops_before_any_file_changes(offline, monkeypatch):
     assert info.value.name.split(".")[0] == "mlflow"  # what the CLI turns into pip install 'ppo-critic[mlflow]'
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n'
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_full_disk_never_leaves_a_torn_row_in_metrics_jsonl(tmp_path):
+    """A real full file system (tmpfs): the row that does not fit is not there at all, the rows before are whole,
+    and the error says what failed."""
+    import errno
+
+    from ppo_critic.run.loggers import JsonlLog
+    from ppo_critic.run.runlog import read_metrics
+    from test_files import tiny_disk
+
+    with tiny_disk(tmp_path / "disk", "64k") as disk:
+        log = JsonlLog(disk / "metrics.jsonl", [{"step": 0, "pad": "x" * 4000}])  # ~4 KiB: the next row crosses a page
+        log.log(1, {"loss": 0.5})
+        before = (disk / "metrics.jsonl").read_bytes()
+        filler = disk / "filler"
+        with open(filler, "wb", buffering=0) as f, pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        with pytest.raises(OSError, match=r"appending step 2 to .*metrics\.jsonl failed") as err:
+            log.log(2, {"loss": 0.25, "pad": "y" * 5000})
+        assert err.value.errno == errno.ENOSPC
+        assert (disk / "metrics.jsonl").read_bytes() == before
+        assert [r["step"] for r in read_metrics(disk / "metrics.jsonl")] == [0, 1]
+        filler.unlink()
+        log.log(2, {"loss": 0.25})
+        assert [r["step"] for r in read_metrics(disk / "metrics.jsonl")] == [0, 1, 2]

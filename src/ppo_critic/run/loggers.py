@@ -30,21 +30,39 @@ class Backend(Protocol):
 
 
 class JsonlLog:
-    """`metrics.jsonl`: one JSON line per step, fsynced. It starts as `rows` (those a resume keeps, written
-    atomically), so a crash leaves at most a torn last line, which `runlog.read_metrics` drops."""
+    """`metrics.jsonl`: one JSON line per step, fsynced, whole or not at all. It starts as `rows` (those a resume
+    keeps, written atomically); a kill inside a write may still leave a torn last line, which `runlog.read_metrics`
+    drops and the next open rewrites away."""
 
     def __init__(self, path: str | os.PathLike, rows: list[dict[str, Any]]):
         self.path = Path(path)
         write_file(self.path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def log(self, step: int, row: dict[str, float]) -> None:
-        with explained_os_error(f"appending step {step} to {self.path} failed"), open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **row}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """Append the step's row whole, or nothing: a failed write (a full disk) is cut back to the rows before."""
+        line = (json.dumps({"step": step, **row}) + "\n").encode()
+        with explained_os_error(f"appending step {step} to {self.path} failed"):
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            try:
+                _append_whole(fd, line)
+            finally:
+                os.close(fd)
 
     def close(self) -> None:
         """Nothing is held open between steps."""
+
+
+def _append_whole(fd: int, data: bytes) -> None:
+    """Write `data` at the end of `fd` and fsync it; on any failure the file is truncated to its size before."""
+    size = os.fstat(fd).st_size
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.ftruncate(fd, size)
+        raise
 
 
 class TensorBoardLog:
