@@ -245,6 +245,7 @@ def test_sigkill_while_checkpointing_resumes_bit_identically(crash_runs, point):
     final = entry["after_resume"]
     assert final["latest"] == "step_00000004" and final["hidden"] == {}, final  # leftovers cleared
     assert [n for n in final["names"] if not n.startswith(".")] == ["latest", "step_00000003", "step_00000004"]
+    assert [n for n in final["names"] if n.endswith(".tmp")] == [], final  # the killed writer's temporaries, removed
 
     # Bit-identical to the run that was never interrupted: final weights and every logged metric.
     a = load_file(root / "reference" / "hf" / "model.safetensors")

@@ -225,3 +225,43 @@ def test_without_hard_links_a_new_file_is_still_refused_over_another(tmp_path, m
     with pytest.raises(OSError, match="appeared while this command ran"):
         write_with(tmp_path / "a", lambda tmp: tmp.write_text("b"), replace=False)
     assert (tmp_path / "a").read_text() == "a" and os.listdir(tmp_path) == ["a"]
+
+
+def test_a_write_removes_the_temporaries_a_killed_writer_of_that_name_left_and_no_others(tmp_path):
+    from ppo_critic.run import files
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone, host = int(dead.stdout), files._HOST
+    stale = [f".out.jsonl.{host}-{gone}-0123456789ab.tmp", f".tmp-export-{host}-{gone}-01234567"]
+    kept = [
+        f".out.jsonl.{host}-{os.getpid()}-0123456789ab.tmp",  # a live writer's (this process)
+        f".out.jsonl.otherhost-{gone}-0123456789ab.tmp",  # another host's: its pids mean nothing here
+        f".other.jsonl.{host}-{gone}-0123456789ab.tmp",  # another name's
+        "notes.txt",
+    ]
+    for name in [*stale, *kept]:
+        (tmp_path / name).write_text("x")
+    (tmp_path / stale[1]).unlink()
+    (tmp_path / stale[1]).mkdir()
+    (tmp_path / stale[1] / "model.safetensors").write_text("half")
+    write_file(tmp_path / "out.jsonl", "new\n")
+    with new_directory(tmp_path / "export") as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert sorted(os.listdir(tmp_path)) == sorted([*kept, "out.jsonl", "export"])
+
+
+def test_an_interrupt_during_a_deferred_block_arrives_after_it_and_a_second_one_at_once():
+    import signal
+
+    from ppo_critic.run.files import interrupts_deferred
+
+    finished = []
+    with pytest.raises(KeyboardInterrupt), interrupts_deferred():
+        signal.raise_signal(signal.SIGINT)
+        finished.append("the write")  # the block runs to its end
+    assert finished == ["the write"]
+    with pytest.raises(KeyboardInterrupt, match="signal"), interrupts_deferred():
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # the user insists
+        finished.append("never")
+    assert finished == ["the write"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler

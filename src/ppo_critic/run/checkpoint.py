@@ -38,7 +38,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ppo_critic.run.files import explained_os_error, fsync_dir, new_directory, write_file
+from ppo_critic.run.files import explained_os_error, fsync_dir, interrupts_deferred, new_directory, write_file
 
 STEP_DIR = re.compile(r"^step_(\d{8,})$")  # zero-padded to 8 digits, longer past 10**8
 STATE_FILE = "trainer_state.json"
@@ -82,7 +82,15 @@ def save_state_dicts(
     root: str | os.PathLike, step: int, state_dict: dict[str, Any], state: dict[str, Any], keep_last_n: int | None
 ) -> Path:
     """Write a (DCP) `state_dict`, a JSON `state` and the manifest atomically as `root/step_<step>`; keep the newest
-    `keep_last_n` by step (never the one just written)."""
+    `keep_last_n` by step (never the one just written). Ctrl-C or SIGTERM waits until the checkpoint is written."""
+    with interrupts_deferred():
+        return _save_state_dicts(root, step, state_dict, state, keep_last_n)
+
+
+def _save_state_dicts(
+    root: str | os.PathLike, step: int, state_dict: dict[str, Any], state: dict[str, Any], keep_last_n: int | None
+) -> Path:
+    """`save_state_dicts` itself."""
     root, lead = Path(root), _rank() <= 0
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}"  # one name on every rank (DCP writes a shard per rank into it)

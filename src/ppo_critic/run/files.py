@@ -9,6 +9,10 @@ What is written gets the mode a plain `open(path, "w")` / `mkdir` would give: 06
 replaced file keeps its mode), 0777 & ~umask for a directory — whatever mode a library writer used on the temporary
 name (transformers' `save_pretrained` leaves 0600 files), so that a run's files are as readable on a shared cluster
 as the user's umask says. Temporary names are random, created exclusively (O_EXCL, mkdir), next to the target.
+
+A temporary name carries its writer's host and pid (`.NAME.<host>-<pid>-<hex>.tmp`, `.tmp-NAME-<host>-<pid>-<hex>`),
+so the next write of NAME removes what a killed writer on this host left (`remove_stale`); a live writer's, or
+another host's, is never touched.
 """
 
 from __future__ import annotations
@@ -17,15 +21,19 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import secrets
 import shutil
+import signal
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 LOCK_FILE = ".lock"
+_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:32]  # in temporary names: whose writer left them
 _LOW_SPACE = 1 << 20  # a write that failed with less than this free on its file system failed for lack of space
 
 
@@ -93,7 +101,8 @@ def new_directory(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     with explained_os_error(f"cannot create the directory {path.parent}"):
         path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{path.name}-{secrets.token_hex(4)}"
+    remove_stale(path.parent, f".tmp-{path.name}-", "")
+    tmp = path.parent / f".tmp-{path.name}-{_writer()}-{secrets.token_hex(4)}"
     try:
         with explained_os_error(f"writing {path} failed", where=path.parent):
             tmp.mkdir()  # exclusive: fails if the name exists
@@ -116,6 +125,31 @@ def new_directory(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait for the block to end (a checkpoint being written is finished first), then reach the
+    handlers they would have reached: a signal landing inside torch's C++ writer would surface as a RuntimeError
+    instead of the interrupt. A second signal during the block interrupts at once. (Main thread only.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if pending:
+            raise KeyboardInterrupt(f"signal {signum}")
+        pending.append(signum)
+
+    previous = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if pending:
+        signal.raise_signal(pending[0])
 
 
 def move_aside(path: str | os.PathLike) -> Path:
@@ -196,11 +230,48 @@ class RunDirLock:
         self.release()
 
 
+def _writer() -> str:
+    """`<host>-<pid>` of this process, as temporary names carry it."""
+    return f"{_HOST}-{os.getpid()}"
+
+
+def remove_stale(directory: Path, prefix: str, suffix: str) -> None:
+    """Remove the temporaries `prefix<host>-<pid>-<hex>suffix` in `directory` that a writer on this host left when it
+    died (its pid runs no process): files and directories alike. Others' are kept, and so is anything unreadable."""
+    pattern = re.compile(re.escape(prefix + _HOST) + r"-(\d+)-[0-9a-f]+" + re.escape(suffix))
+    with contextlib.suppress(OSError):
+        for entry in directory.iterdir():
+            found = pattern.fullmatch(entry.name)
+            if found and not _running(int(found.group(1))):
+                _remove(entry)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process `pid` exists on this host (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    """Delete a stale temporary: a directory tree or a file (a symlink itself, never its target)."""
+    with contextlib.suppress(OSError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
 def _new_temp_file(directory: Path, base: str) -> tuple[Path, int]:
     """A new empty file next to the target under a random name (created exclusively: never someone else's file or
     link), and the mode `open(..., "w")` gives a new file there: 0666 & ~umask (mkstemp's 0600 would stick)."""
+    remove_stale(directory, f".{base}.", ".tmp")
     while True:
-        tmp = directory / f".{base}.{secrets.token_hex(6)}.tmp"
+        tmp = directory / f".{base}.{_writer()}-{secrets.token_hex(6)}.tmp"
         try:
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
         except FileExistsError:
