@@ -269,6 +269,9 @@ def _worker_for(source: Path, overrides: list[str]) -> tuple[Any, TrainConfig]:
         return worker, cfg
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is neither a run directory nor a model directory")
+    from ppo_critic.models.hf import check_trained_critic
+
+    check_trained_critic(source)  # every tensor a critic needs, or a refusal naming what is missing
     cfg = load_config(None, [*_exported_objective(source), *overrides, f"critic.model.path={source}"])
     return make_worker(cfg), cfg
 

@@ -330,3 +330,36 @@ def test_popart_rescales_the_head_copy_that_peft_trains():
     assert critic.value_norm.mean.item() == pytest.approx(2, abs=1)
     # PopArt's rescale in float64, stored in float32: the outputs move by float32 rounding (values are O(1))
     torch.testing.assert_close(critic.compute_values(batch), before, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("head", ["auto", "generic"])
+def test_only_a_whole_critic_passes_as_one_to_score_with(tmp_path, head):
+    from safetensors.torch import load_file, save_file
+
+    from ppo_critic.models.hf import VALUE_HEAD_FILE, check_trained_critic
+    from ppo_critic.run.checkpoint import export_hf
+
+    export_hf(build_value_model(tiny_config("qwen2"), head=head), tmp_path / "critic")
+    check_trained_critic(tmp_path / "critic")
+
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((tmp_path / "critic" / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="no_weights holds no weights"):
+        check_trained_critic(no_weights)
+
+    headless = tmp_path / "headless"
+    export_hf(build_value_model(tiny_config("qwen2"), head=head), headless)
+    (headless / VALUE_HEAD_FILE).unlink(missing_ok=True)
+    weights = load_file(headless / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("score.")}, headless / "model.safetensors")
+    with pytest.raises(ValueError, match=r"headless holds no value head \(score\.\*"):
+        check_trained_critic(headless)
+    from ppo_critic.cli import main
+
+    data = tmp_path / "rollouts.jsonl"
+    data.write_text('{"prompt_ids": [1, 2], "response_ids": [3], "reward": 1.0}\n')
+    for directory in (no_weights, headless):
+        with pytest.raises(SystemExit) as exit_:
+            main(["values", str(directory), f"data={data}", f"out={tmp_path / 'values.jsonl'}"])
+        assert exit_.value.code == 2 and not (tmp_path / "values.jsonl").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
@@ -347,6 +348,43 @@ def _auto_class(config, head: str):
             "use head='generic' (or 'auto')"
         )
     return AutoModelForTokenClassification if has_tc and head != "generic" else AutoModel
+
+
+def check_trained_critic(path: str | os.PathLike) -> None:
+    """A directory to score with must hold a whole critic: weights, a value head among them (`score.*`, TRL's
+    `v_head.*`, ...) or an export's `value_head.safetensors`; else its values would be those of a randomly
+    initialised model or head, without a word. (The backbone's own weights: `check_backbone_loaded`.)"""
+    path = os.fspath(path)
+    if not _has_weights(path):
+        raise FileNotFoundError(
+            f"{path} holds no weights (model.safetensors, pytorch_model.bin): its values would be a random model's; "
+            "point at a critic `ppo-critic export` or `train` wrote (its hf/ directory)"
+        )
+    names = None if os.path.isfile(os.path.join(path, VALUE_HEAD_FILE)) else _weight_names(path)
+    if names is not None and not any(name.split(".")[0] in HEAD_NAMES for name in names):
+        heads = ", ".join(f"{h}.*" for h in HEAD_NAMES)
+        raise ValueError(
+            f"{path} holds no value head ({heads}): it is not a trained critic (a base model?); train one from it "
+            f"with `ppo-critic train critic.model.path={path}`"
+        )
+
+
+def _weight_names(path: str) -> list[str] | None:
+    """The tensor names in `path`'s safetensors weights (a sharded checkpoint's index); None for .bin weights."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return list(json.load(f).get("weight_map", {}))
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors") and f != VALUE_HEAD_FILE)
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as weights:
+            names += list(weights.keys())
+    return names
 
 
 def _has_weights(path: str) -> bool:
