@@ -469,3 +469,17 @@ def test_sigterm_inside_a_checkpoint_write_is_the_promised_clean_exit(tmp_path, 
     assert "interrupted at step" in text and f"resume from step 2 ({run / 'checkpoints' / 'step_00000002'})" in text
     assert latest_checkpoint(run / "checkpoints").name == "step_00000002"
     verify_checkpoint(run / "checkpoints" / "step_00000002")
+
+
+def test_export_force_moves_nothing_aside_when_the_run_cannot_be_exported(run, tmp_path, capsys):
+    """`export RUN OUT --force` with RUN's checkpoint damaged: exit 2 and OUT where it was (was: moved aside first)."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("user data")
+    checkpoint = latest_checkpoint(run / "checkpoints")
+    weights = sorted(checkpoint.glob("*.distcp"))[0]
+    weights.write_bytes(weights.read_bytes()[:-8] + b"damaged!")
+    code, text = cli(["export", run, out, "--force"], capsys)
+    assert code == 2 and str(checkpoint) in text, text
+    assert (out / "notes.txt").read_text() == "user data"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("mine.old-")]

@@ -230,8 +230,9 @@ def _export(args: argparse.Namespace) -> int:
 
     if not is_run_dir(args.run_dir):
         raise FileNotFoundError(f"{args.run_dir} is not a run directory (no config.yaml)")
+    check_output(args.out_dir, "directory", inputs=[], force=args.force, move=False)
+    worker, _ = _worker_for(args.run_dir, [])  # the checkpoint verified and loaded before anything is moved
     aside = check_output(args.out_dir, "directory", inputs=[], force=args.force)
-    worker, _ = _worker_for(args.run_dir, [])
     if aside is not None:
         print(f"moved the previous {args.out_dir} aside to {aside}")
     out = worker.export_hf(args.out_dir)

@@ -283,10 +283,11 @@ def check_place(path: Path, what: str, own: Path | None = None) -> None:
         raise ValueError(f"{what}={path} {how} the run directory {run}{whose}; write elsewhere")
 
 
-def check_output(out: Path, kind: str, inputs: list[Path], force: bool) -> Path | None:
+def check_output(out: Path, kind: str, inputs: list[Path], force: bool, move: bool = True) -> Path | None:
     """Refuse an output path that would destroy something: the working directory, one in, at or above any run
     directory, one that is an input of the command, or an existing `kind` ("file" or "directory") — unless `force`,
-    which replaces a file or moves a directory aside (renamed, never deleted; returned)."""
+    which replaces a file or moves a directory aside (renamed, never deleted; returned). `move=False` only checks:
+    a command calls it again to move once everything else it reads has verified."""
     target = Path(out).resolve()
     check_place(out, "out_dir" if kind == "directory" else "out")
     for source in inputs:
@@ -306,4 +307,4 @@ def check_output(out: Path, kind: str, inputs: list[Path], force: bool) -> Path 
         return None
     if not force:
         raise ValueError(f"{out} exists and is not empty; choose a new directory, or pass --force to move it aside")
-    return move_aside(target)
+    return move_aside(target) if move else None
