@@ -483,3 +483,16 @@ def test_export_force_moves_nothing_aside_when_the_run_cannot_be_exported(run, t
     assert code == 2 and str(checkpoint) in text, text
     assert (out / "notes.txt").read_text() == "user data"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("mine.old-")]
+
+
+def test_a_refused_resume_into_a_new_directory_leaves_nothing_behind(run, tmp_path, capsys):
+    """`trainer.resume=<another model's checkpoint>` fails to load: no lock file (was: `.lock` left in a new
+    directory), the directory gone if the command created it, an empty one left empty."""
+    other_model = ["critic.model.override_config.hidden_size=16", "critic.model.override_config.intermediate_size=32"]
+    resume = f"trainer.resume={latest_checkpoint(run / 'checkpoints')}"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for target in (tmp_path / "new", empty):
+        code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={target}", resume, *other_model], capsys)
+        assert code == 2 and "cannot load checkpoint" in text, text
+    assert not (tmp_path / "new").exists() and list(empty.iterdir()) == []

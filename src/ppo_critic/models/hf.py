@@ -370,11 +370,20 @@ def check_trained_critic(path: str | os.PathLike) -> None:
 
 
 def _weight_names(path: str) -> list[str] | None:
-    """The tensor names in `path`'s safetensors weights (a sharded checkpoint's index); None for .bin weights."""
+    """The tensor names in `path`'s safetensors weights (a sharded checkpoint's index); None where they cannot be
+    listed (.bin weights, a damaged file: the loader then names it, `cannot build the value model of ...`)."""
+    try:
+        return _listed_names(path)
+    except Exception:
+        return None
+
+
+def _listed_names(path: str) -> list[str] | None:
+    """`_weight_names`, raising what a damaged file raises."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
-            return list(json.load(f).get("weight_map", {}))
+            return list(json.load(f)["weight_map"])
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors") and f != VALUE_HEAD_FILE)
     if not files:
         return None

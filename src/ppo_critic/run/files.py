@@ -198,8 +198,10 @@ class RunDirLock:
     def __init__(self, run_dir: str | os.PathLike):
         self.path = Path(run_dir) / LOCK_FILE
         self.fd: int | None = None
+        self.created = False
 
     def acquire(self) -> RunDirLock:
+        self.created = not self.path.parent.exists()  # then `abandon` may remove the directory again
         with explained_os_error(f"cannot create the run directory {self.path.parent}"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -216,6 +218,16 @@ class RunDirLock:
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.ctime()}\n".encode(), 0)
         self.fd = fd
         return self
+
+    def abandon(self) -> None:
+        """Release, and leave no trace where nothing else was written: the lock file removed (while still held),
+        and the directory too if `acquire` created it. A run refused before its first write leaves what it found."""
+        if self.fd is not None and [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+                if self.created:
+                    self.path.parent.rmdir()
+        self.release()
 
     def release(self) -> None:
         if self.fd is not None:

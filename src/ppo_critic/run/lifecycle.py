@@ -45,10 +45,11 @@ class Run:
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        """Release the lock (the first rank's), however the call ended."""
+    def __exit__(self, kind: object, *exc: object) -> None:
+        """Release the lock (the first rank's), however the call ended; a call that failed before writing anything
+        leaves no lock file (nor a directory it created) behind."""
         if self.lock is not None:
-            self.lock.release()
+            (self.lock.release if kind is None else self.lock.abandon)()
 
     def _agree(self, action: Callable[[], T], share: bool = False) -> T | None:
         """`action()` on the first rank, its error raised on every rank (`rundir.agree`)."""
