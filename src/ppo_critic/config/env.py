@@ -14,7 +14,13 @@ OPTIONS_ENV = "PPO_CRITIC_OPTIONS"
 def with_options(base: CriticConfig) -> CriticConfig:
     """`base` with `PPO_CRITIC_OPTIONS` applied (checked as the critic checks its config; errors name the variable);
     the verl keys `base` set aside are kept."""
-    options = shlex.split(os.environ.get(OPTIONS_ENV, ""))
+    try:
+        options = shlex.split(os.environ.get(OPTIONS_ENV, ""))
+    except ValueError as err:  # shlex's bare "No closing quotation"
+        raise ValueError(
+            f"could not read {OPTIONS_ENV}: {str(err).lower()} (an unbalanced ' or \"); it takes key=value pairs "
+            f"separated by spaces, quoted as in a shell, e.g. {OPTIONS_ENV}='ema_decay=0.9 shuffle=true'"
+        ) from err
     if not options:
         return base
     from omegaconf import OmegaConf

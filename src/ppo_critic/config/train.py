@@ -391,7 +391,32 @@ def read_yaml_options(path: Path) -> dict:
         raise ValueError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or _one_line(err)})") from err
     except OmegaConfBaseException as err:
         raise ValueError(f"{path}: {_one_line(err)}") from err
-    return OmegaConf.to_container(node)
+    return nested_keys(OmegaConf.to_container(node), str(path))
+
+
+def nested_keys(tree: dict, where: str, prefix: str = "") -> dict:
+    """Dotted keys (`trainer.steps: 3`, as on the command line) read as the nested ones they name; an option given
+    twice, dotted and nested, is an error naming it. `override_config` keeps its keys as written."""
+    out: dict = {}
+    for key, value in tree.items():
+        parts = [str(key)] if prefix.endswith("override_config.") else str(key).split(".")
+        if isinstance(value, dict):
+            value = nested_keys(value, where, f"{prefix}{key}.")
+        for part in reversed(parts[1:]):
+            value = {part: value}
+        _merge_into(out, parts[0], value, where, prefix)
+    return out
+
+
+def _merge_into(node: dict, name: str, value: object, where: str, prefix: str) -> None:
+    """`node[name] = value`, merging two spellings of one option group; the same option twice is an error."""
+    if name not in node:
+        node[name] = value
+        return
+    if not (isinstance(node[name], dict) and isinstance(value, dict)):
+        raise ValueError(f"{where}: {prefix}{name} is given twice (dotted and nested); keep one")
+    for key, inner in value.items():
+        _merge_into(node[name], key, inner, where, f"{prefix}{name}.")
 
 
 def _config_text(path: Path) -> str:

@@ -1,0 +1,28 @@
+"""config/train.py: a `--config` file's dotted keys read as the nested options they name."""
+
+from __future__ import annotations
+
+import pytest
+
+from ppo_critic.cli import load_config
+from ppo_critic.config.train import nested_keys, read_yaml_options
+
+
+def test_dotted_keys_in_a_config_file_are_the_nested_options(tmp_path):
+    path = tmp_path / "dotted.yaml"
+    path.write_text("trainer.steps: 3\ncritic:\n  optim.lr: 0.002\ntrainer:\n  eval_every: 5\n")
+    assert read_yaml_options(path) == {"trainer": {"steps": 3, "eval_every": 5}, "critic": {"optim": {"lr": 0.002}}}
+    cfg = load_config(path, [])
+    assert (cfg.trainer.steps, cfg.trainer.eval_every, cfg.critic.optim.lr) == (3, 5, 0.002)
+
+
+def test_an_option_given_dotted_and_nested_is_named():
+    with pytest.raises(ValueError, match=r"f.yaml: trainer.steps is given twice \(dotted and nested\); keep one"):
+        nested_keys({"trainer.steps": 3, "trainer": {"steps": 4}}, "f.yaml")
+    with pytest.raises(ValueError, match=r"critic.optim is given twice"):
+        nested_keys({"critic": {"optim": 1, "optim.lr": 2}}, "f.yaml")
+
+
+def test_override_config_keeps_its_keys_as_written():
+    tree = {"critic": {"model": {"override_config": {"rope_scaling.type": "linear"}}}}
+    assert nested_keys(tree, "f.yaml") == tree
