@@ -745,3 +745,30 @@ def test_max_length_must_fit_a_prompt_and_a_response_token(tmp_path, max_length)
     path = write_jsonl(tmp_path / "rollouts.jsonl", ROWS)
     with pytest.raises(ValueError, match="max_length must be an integer >= 2"):
         read_rollouts(path, max_length=max_length)
+
+
+def test_a_directory_of_parquet_parts_reads_as_its_parts_in_name_order(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parts = tmp_path / "rollouts"
+    parts.mkdir()
+    for i in (1, 0):  # written out of order: read in name order
+        table = pa.table({"prompt_ids": [[1, 2 + i]], "response_ids": [[3, 4]], "reward": [float(i)]})
+        pq.write_table(table, parts / f"part-{i:05d}.parquet")
+    (parts / "_SUCCESS").write_text("")  # what Spark-style writers leave beside the parts
+    assert read_rollouts(parts) == [Rollout([1, 2], [3, 4], [0.0, 0.0]), Rollout([1, 3], [3, 4], [0.0, 1.0])]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"empty is a directory without \.parquet files"):
+        read_rollouts(empty)
+
+
+def test_a_pipe_or_a_device_is_refused_before_it_is_opened(tmp_path):
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)  # opened, it would wait for a writer forever
+    zero = tmp_path / "zero.jsonl"
+    zero.symlink_to("/dev/zero")  # read, it would never end
+    for path in (fifo, zero):
+        with pytest.raises(ValueError, match="is not a regular file"):
+            read_rollouts(path)

@@ -135,7 +135,7 @@ class TrainConfig:
     task: dict = field(default_factory=lambda: {"name": "counting"})
     """the built-in rollout task, read when data is null: its name and its options"""
     data: str | None = None
-    """a rollout file (.jsonl or .parquet) to train on instead of the built-in task"""
+    """a rollout file (.jsonl or .parquet, or a directory of .parquet parts) to train on instead of the built-in task"""
     critic: CriticConfig = field(default_factory=_default_critic)
     """verl's critic section: the model, its loss, batching and optimizer"""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

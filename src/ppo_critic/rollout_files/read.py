@@ -6,7 +6,8 @@ ids) or `prompt` (text); the response is `response_ids` or `response`; each side
 id rows and text rows. Text is tokenised with the tokenizer directory passed to `read_rollouts` (see `Tokenizer`).
 A row of verl's rollout dump (`trainer.rollout_data_dir`: `input`, `output`, `score`, and no prompt or response field
 of ours) is read as verl wrote it: `input` is the prompt decoded without special tokens, `output` the response
-likewise, `score` its reward (see `Tokenizer.decoded_prompt`).
+likewise, `score` its reward (see `Tokenizer.decoded_prompt`). A directory is read as its `*.parquet` parts in name
+order (what verl and HF datasets write).
 Every malformed row is reported as ``<path>: row <n>: field '<name>' must be ..., got ...`` (for JSON Lines, n is
 the line number).
 """
@@ -18,6 +19,7 @@ import json
 import math
 import numbers
 import os
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,11 +66,15 @@ def read_rollouts(
     measured before its ids are checked one by one, text once tokenised; an overlong row is never collated.
     """
     name = os.fspath(path)
+    if os.path.isdir(name):
+        return [r for part in parquet_parts(name) for r in read_rollouts(part, vocab_size, tokenizer, max_length)]
     rows, decode = _reader_for(name)
     _check_vocab_size(vocab_size)
     _check_max_length(max_length)
     if not os.path.exists(name):
         raise FileNotFoundError(errno.ENOENT, "rollout file not found", name)
+    if not stat.S_ISREG(os.stat(name).st_mode):  # a FIFO would block forever, a device never end
+        raise ValueError(f"{name} is not a regular file (a pipe or a device?); give a .jsonl or .parquet file")
     text = Tokenizer(tokenizer)
     rollouts: list[Rollout] = []
     bad: list[tuple[int, str]] = []
@@ -82,6 +88,14 @@ def read_rollouts(
     if not rollouts:
         raise ValueError(f"{name}: no rollout rows found (the file is empty or holds only blank lines)")
     return rollouts
+
+
+def parquet_parts(directory: str) -> list[str]:
+    """The `*.parquet` files of a directory (what verl and HF datasets write: one file per part), in name order."""
+    parts = sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".parquet"))
+    if not parts:
+        raise ValueError(f"{directory} is a directory without .parquet files; give a rollout file or such a directory")
+    return parts
 
 
 def _reader_for(path: str) -> tuple[Callable[[str], Iterator[tuple[int, Any]]], Callable[[Any], Any]]:
