@@ -220,8 +220,9 @@ def _values(args: argparse.Namespace) -> int:
         batch = collate(rows[start : start + chunk])
         values_of = worker.compute_values(batch)
         values += [v[m.bool()].tolist() for v, m in zip(values_of, batch["response_mask"], strict=True)]
-    write_values(out, values, replace=args.force)  # a file another command wrote meanwhile is kept
-    print(f"wrote values of {len(values)} rollouts to {out}")
+    if worker.rank == 0:  # under torchrun every rank has the values; the first writes and reports them
+        write_values(out, values, replace=args.force)  # a file another command wrote meanwhile is kept
+        print(f"wrote values of {len(values)} rollouts to {out}")
     return 0
 
 
@@ -232,11 +233,12 @@ def _export(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{args.run_dir} is not a run directory (no config.yaml)")
     check_output(args.out_dir, "directory", inputs=[], force=args.force, move=False)
     worker, _ = _worker_for(args.run_dir, [])  # the checkpoint verified and loaded before anything is moved
-    aside = check_output(args.out_dir, "directory", inputs=[], force=args.force)
-    if aside is not None:
+    aside = check_output(args.out_dir, "directory", inputs=[], force=args.force, move=worker.rank == 0)
+    if aside is not None and worker.rank == 0:
         print(f"moved the previous {args.out_dir} aside to {aside}")
     out = worker.export_hf(args.out_dir)
-    print(f"exported step {worker.step} of {args.run_dir} to {out}")
+    if worker.rank == 0:
+        print(f"exported step {worker.step} of {args.run_dir} to {out}")
     return 0
 
 

@@ -50,3 +50,18 @@ def test_dp2_training_matches_one_process_and_resumes_across_sizes(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     train(load_config(None, [*SHORT, *FSDP2, f"trainer.run_dir={tmp_path / 'resume_dp1'}"]), out=io.StringIO())
     assert max_diff(weights(dp2), weights(tmp_path / "resume_dp1")) <= 1e-6  # as above: the same sums, 2 AdamW steps
+
+    # values and export under torchrun: the first rank alone writes and reports (was: every rank printed, and with
+    # values' refusal to replace a file another writer made, the second rank's write would have failed)
+    data = tmp_path / "rollouts.jsonl"
+    data.write_text('{"prompt_ids": [1, 2], "response_ids": [3, 4], "reward": 1.0}\n' * 4)  # 2 rows per rank
+    result = torchrun("-m", "ppo_critic", "values", str(dp2), f"data={data}", f"out={tmp_path / 'values.jsonl'}")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("wrote values of 4 rollouts") == 1
+    (tmp_path / "exported").mkdir()
+    (tmp_path / "exported" / "notes.txt").write_text("user data")
+    result = torchrun("-m", "ppo_critic", "export", str(dp2), str(tmp_path / "exported"), "--force")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("exported step 4") == 1 and result.stdout.count("moved the previous") == 1
+    (aside,) = tmp_path.glob("exported.old-*")
+    assert (aside / "notes.txt").read_text() == "user data" and (tmp_path / "exported" / "config.json").is_file()
