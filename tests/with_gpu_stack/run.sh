@@ -15,7 +15,7 @@ venv=.venv-gpu-stack
 reqs=tests/with_gpu_stack/requirements.txt
 SAME_ON_EVERY_STACK=(
   config/test_critic config/test_reference config/test_verl config/test_env config/test_train_config  # config, options
-  integrations/test_hooks  # verl spellings
+  integrations/test_hooks  # import hooks
   run/test_files test_cli_safety run/test_rundir run/test_runlog                     # durable writes, run-directory rules
   rollout_files/test_rollout_files run/test_plots run/test_console run/test_loggers  # rollout files, outputs
   test_documented_commands test_gpu_harness test_design_doc                          # docs, bench/gpu scripts
