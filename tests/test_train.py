@@ -171,7 +171,8 @@ def test_a_rollout_file_run_never_trains_on_its_evaluation_rows(tmp_path):
     assert trained == set(range(20)) - held_out
     assert source.eval_name == (f"5 rows of {data} held out (eval_fraction=0.25, seed 0; never trained on)")
     other = tmp_path / "eval.jsonl"
-    write_rollout_file(other, 3)
+    evaluated = [{**row, "reward": 7.0} for row in write_rollout_file(other, 3)]  # not the training rows
+    other.write_text("".join(json.dumps(r) + "\n" for r in evaluated))
     source = train_mod.FileSource(short_config(tmp_path / "run", f"data={data}", f"trainer.eval_data={other}"))
     assert len(source.rows) == 20 and first_tokens(source.eval_batch) == {0, 1, 2}
     assert source.eval_name == f"3 rows of eval_data={other}"
@@ -335,3 +336,87 @@ def test_rollout_n_draws_groups_of_responses_to_one_prompt_and_the_held_out_set_
     assert torch.equal(prompts, prompts[::4].repeat_interleave(4, dim=0))
     held_out = source.eval_batch["input_ids"][:, :width]
     assert not torch.equal(held_out[0::4], held_out[1::4])
+
+
+def _tree(path):
+    """Every file under `path` with its bytes (the lock's note of who holds it aside): what a refused command must
+    leave as it was."""
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file() and p.name != ".lock"
+    }
+
+
+def test_resume_from_an_older_checkpoint_than_the_runs_newest_is_refused_and_a_new_run_may_start_from_it(tmp_path):
+    """Issue 43 family 5: resuming step 2 while step 4 exists would replace step 4 and its metrics (it did, saying
+    only "resumed from step 2"); now refused before anything moves, and another run_dir can start from step 2."""
+    run = tmp_path / "run"
+    train(short_config(run), out=io.StringIO())
+    older = run / "checkpoints" / "step_00000002"
+    before = _tree(run)
+    with pytest.raises(
+        ValueError, match=r"is step 2, but .* holds newer checkpoints \(step 4\); .*trainer.resume=auto"
+    ):
+        train(short_config(run, "trainer.steps=6", f"trainer.resume={older}"), out=io.StringIO())
+    assert _tree(run) == before
+    branch = tmp_path / "branch"
+    train(short_config(branch, "trainer.steps=6", f"trainer.resume={older}"), out=io.StringIO())
+    rows = [json.loads(line)["step"] for line in (branch / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [3, 4, 5, 6] and _tree(run) == before
+
+
+def test_a_checkpoint_copied_over_another_is_not_resumed_as_the_step_its_name_says(tmp_path):
+    """Issue 43 family 5: step_4's files copied into step_2 were resumed as step 4 from "step_2" silently."""
+    run = tmp_path / "run"
+    train(short_config(run), out=io.StringIO())
+    ckpts = run / "checkpoints"
+    shutil.rmtree(ckpts / "step_00000002")
+    shutil.copytree(ckpts / "step_00000004", ckpts / "step_00000002")
+    shutil.rmtree(ckpts / "step_00000004")
+    (ckpts / "latest").unlink(missing_ok=True)
+    before = _tree(run)
+    out = io.StringIO()
+    with pytest.raises(ValueError, match=r"no checkpoint .* verifies \(.*holds step 4 but its name says step 2"):
+        train(short_config(run, "trainer.steps=6"), out=out)
+    assert "rename it step_00000004 or remove it; trying the checkpoint before it" in out.getvalue()
+    assert _tree(run) == before
+
+
+def test_eval_data_that_is_the_training_rows_is_refused_and_some_rows_in_common_are_said(tmp_path):
+    """Issue 43 family 5: eval_data= the training file (or a copy) evaluated trained rows as if held out."""
+    data = tmp_path / "rollouts.jsonl"
+    rows = write_rollout_file(data, 12)
+    copy = tmp_path / "copy.jsonl"
+    shutil.copy(data, copy)
+    for same in (data, copy):
+        with pytest.raises(
+            ValueError, match=r"every row of trainer.eval_data=.* is also a row of data=.*drop eval_data"
+        ):
+            train(short_config(tmp_path / "run", f"data={data}", f"trainer.eval_data={same}"), out=io.StringIO())
+    assert not (tmp_path / "run").exists()
+    some = tmp_path / "some.jsonl"
+    some.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]) + json.dumps({**rows[0], "reward": 5.0}) + "\n")
+    out = io.StringIO()
+    train(short_config(tmp_path / "run", f"data={data}", f"trainer.eval_data={some}"), out=out)
+    assert f"note: 2 of the 3 rows of eval_data={some} are also rows of data={data}" in out.getvalue()
+
+
+def test_rows_changed_between_resumes_are_refused_where_the_held_out_split_depends_on_them(tmp_path):
+    """Issue 43 family 5: a rollout file that grew between resumes moved the seeded held-out split silently (trained
+    rows could land in the "never trained on" set). With eval_data instead, the change is said with its numbers."""
+    data = tmp_path / "rollouts.jsonl"
+    write_rollout_file(data, 12)
+    run = tmp_path / "run"
+    train(short_config(run, f"data={data}"), out=io.StringIO())
+    before = _tree(run)
+    write_rollout_file(data, 16)
+    with pytest.raises(ValueError, match=rf"data={data} changed since the checkpoint \(12 rows then, 16 now\): "):
+        train(short_config(run, f"data={data}", "trainer.steps=6"), out=io.StringIO())
+    assert _tree(run) == before
+    other = tmp_path / "eval.jsonl"
+    other.write_text(json.dumps({"prompt_ids": [99, 1], "response_ids": [3, 4], "reward": 1.0}) + "\n")
+    kept = tmp_path / "kept"
+    train(short_config(kept, f"data={data}", f"trainer.eval_data={other}"), out=io.StringIO())
+    write_rollout_file(data, 20)
+    out = io.StringIO()
+    train(short_config(kept, f"data={data}", f"trainer.eval_data={other}", "trainer.steps=6"), out=out)
+    assert f"note: data={data} changed since the checkpoint (16 rows then, 20 now); training goes on" in out.getvalue()

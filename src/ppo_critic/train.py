@@ -87,6 +87,8 @@ class TaskSource:
         self.vocab_size = self.task.vocab_size
         self.max_length = self.task.prompt_width + self.task.response_width
         self.step = 0  # the iteration whose rollouts `next_batch` draws
+        self.notes: list[str] = []
+        self.resume_note: str | None = None
         self.evals: list[tuple[int, float]] = []  # (step, eval/ev_true) under a drift, for `tracking`
         self._eval_at: tuple[Any, dict[str, Tensor]] = (self.task, self.eval_batch)
 
@@ -144,18 +146,21 @@ class FileSource:
     seeded `trainer.eval_fraction` of the file's rows held out (up to `eval_size` of them evaluated), or none."""
 
     def __init__(self, cfg: TrainConfig):
-        from ppo_critic.data.rows import collate
+        from ppo_critic.data.rows import collate, fingerprint
         from ppo_critic.rollout_files.read import read_rollouts, tokenizer_dir
 
         t = cfg.trainer
         self.collate = collate
         self.name = f"data={cfg.data}"
+        self.notes: list[str] = []  # what the run says of its rollouts before it starts
+        self.resume_note: str | None = None  # what it says of rows changed since the checkpoint resumed from
         tokenizer, positions = tokenizer_dir(cfg.critic.model), max_row_tokens(cfg)
         read = functools.partial(read_rollouts, tokenizer=tokenizer, max_length=positions)
         rows = read(cfg.data)
         if t.eval_data:
             eval_rows, self.rows = read(t.eval_data), rows
             what = f"rows of eval_data={t.eval_data}"
+            self.notes += filter(None, [overlap_warning(cfg.data, t.eval_data, self.rows, eval_rows)])
         else:
             eval_rows, self.rows = held_out_split(rows, t.eval_fraction, t.seed)
             what = f"rows of {cfg.data} held out (eval_fraction={t.eval_fraction}, seed {t.seed}; never trained on)"
@@ -164,6 +169,8 @@ class FileSource:
         self.eval_name = f"{len(evaluated)} {what}" if evaluated else None
         self.batch_size = t.rollout_batch_size
         self.position = 0
+        self.rows_total, self.fingerprint = len(rows), fingerprint(rows)
+        self.split = not t.eval_data and t.eval_fraction > 0  # the held-out rows depend on the file's rows
         self.vocab_size = 1 + max(max(r.prompt_ids + r.response_ids) for r in self.rows + eval_rows)
         self.max_length = max(len(r.prompt_ids) + len(r.response_ids) for r in self.rows + eval_rows)
 
@@ -181,16 +188,49 @@ class FileSource:
         return self.collate(rows)
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        return {}, {"data_source": self.name, "data_position": self.position}
+        rows = {"data_rows": self.rows_total, "data_fingerprint": self.fingerprint}
+        return {}, {"data_source": self.name, "data_position": self.position, **rows}
 
     def check_state(self, state: dict[str, Any]) -> None:
         _same_source(self.name, state)
+        self.resume_note = self._check_rows(state)
         position = state.get("data_position")
         if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < len(self.rows):
             raise ValueError(f"the checkpoint's data_position={position!r} is not a row of {self.name}")
 
+    def _check_rows(self, state: dict[str, Any]) -> str | None:
+        """Rows that changed since the checkpoint: refused where the held-out split depends on them (trained rows
+        could be held out), else what to say (None: unchanged, or a checkpoint from before fingerprints)."""
+        saved = state.get("data_fingerprint")
+        if saved is None or saved == self.fingerprint:
+            return None
+        what = f"{self.name} changed since the checkpoint ({state.get('data_rows')} rows then, {self.rows_total} now)"
+        if self.split:
+            raise ValueError(
+                f"{what}: trainer.eval_fraction would now hold out other rows, some of them trained on. Resume with "
+                "the rows as they were, or start a new run (another trainer.run_dir)"
+            )
+        return f"note: {what}; training goes on over the rows as they are now"
+
     def load_state(self, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
         self.position = int(state["data_position"])
+
+
+def overlap_warning(data: str, eval_data: str, rows: list, eval_rows: list) -> str | None:
+    """`trainer.eval_data` that is the training rows (the same file, or a copy) is refused: nothing held out would
+    be measured; some rows in common are said with their numbers (None: none)."""
+    from ppo_critic.data.rows import row_key
+
+    trained = {row_key(r) for r in rows}
+    common = sum(row_key(r) in trained for r in eval_rows)
+    if common and common == len(eval_rows):
+        raise ValueError(
+            f"every row of trainer.eval_data={eval_data} is also a row of data={data}: the evaluation would measure "
+            "rows trained on. Give rollouts kept out of training, or drop eval_data to hold out trainer.eval_fraction"
+        )
+    if common:
+        return f"note: {common} of the {len(eval_rows)} rows of eval_data={eval_data} are also rows of data={data}"
+    return None
 
 
 def held_out_split(rows: list, fraction: float, seed: int) -> tuple[list, list]:
@@ -286,9 +326,13 @@ def _resume(worker: CriticWorker, source: TaskSource | FileSource, cfg: TrainCon
     """Say what runs, refuse options that cannot change, and resume from the checkpoint `trainer.resume` names."""
     run.say(config_yaml(cfg.to_dict()))
     run.say(f"rollouts: {source.name}; evaluation: {source.eval_name or 'none (no evaluation set)'}")
+    for note in source.notes:
+        run.say(note)
     run.check_options(cfg.to_dict(), cfg.critic.strategy)
     if run.resume(functools.partial(_load, worker, source, run.say)) is not None and "critic.optim.lr" in run.changes:
         worker.set_learning_rate(cfg.critic.optim.lr)
+    if source.resume_note:
+        run.say(source.resume_note)
 
 
 def _load(worker: CriticWorker, source: TaskSource | FileSource, say: Callable[[str], None], checkpoint: Path) -> Path:

@@ -3,6 +3,7 @@ them, `rollout_batch` is the one place the layout is built (recorded rollouts an
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +19,19 @@ class Rollout:
     prompt_ids: list[int]
     response_ids: list[int]
     token_level_rewards: list[float]
+
+
+def row_key(rollout: Rollout) -> bytes:
+    """The bytes that identify a row (its token ids and rewards), for fingerprints and overlap checks."""
+    return repr((rollout.prompt_ids, rollout.response_ids, rollout.token_level_rewards)).encode()
+
+
+def fingerprint(rollouts: Sequence[Rollout]) -> str:
+    """A SHA-256 of the rows in order: equal exactly when the rows are (whatever file format held them)."""
+    digest = hashlib.sha256()
+    for rollout in rollouts:
+        digest.update(row_key(rollout) + b"\n")
+    return digest.hexdigest()
 
 
 def collate(rollouts: Sequence[Rollout], pad_token_id: int = 0) -> dict[str, torch.Tensor]:

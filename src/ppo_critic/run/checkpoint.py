@@ -512,6 +512,12 @@ def _single_process_ok() -> Iterator[None]:
         yield
 
 
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step a checkpoint directory's name says (`step_00000004` -> 4); None for another name."""
+    match = STEP_DIR.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
 def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
     """The checkpoints under `root`, oldest step first (ordered by the step number, not the name): every non-empty
     `step_*` directory, since only complete ones are renamed there. One may be damaged since: loading verifies it."""
@@ -519,7 +525,7 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and _holds_checkpoint(p)]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=checkpoint_step)
 
 
 def delete_checkpoint(path: Path) -> None:

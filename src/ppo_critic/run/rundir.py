@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ppo_critic.run.checkpoint import CheckpointDamaged, complete_checkpoints
+from ppo_critic.run.checkpoint import CheckpointDamaged, checkpoint_step, complete_checkpoints, read_state
 from ppo_critic.run.files import RunDirLock, move_aside, write_file
 from ppo_critic.run.runlog import METRICS_FILE
 
@@ -119,6 +119,7 @@ def resume(ckpt_root: Path, resume: str, load: Callable[[Path], T], say: Callabl
     if resume == "never":
         return None
     if resume != "auto":
+        check_nothing_newer(ckpt_root, Path(resume))
         return load(Path(resume))
     candidates = complete_checkpoints(ckpt_root)[::-1]
     problems = []
@@ -136,6 +137,26 @@ def resume(ckpt_root: Path, resume: str, load: Callable[[Path], T], say: Callabl
             "a new run (another trainer.run_dir, or trainer.resume=never --overwrite to move this one aside)"
         )
     return None
+
+
+def check_nothing_newer(ckpt_root: Path, named: Path) -> None:
+    """`trainer.resume=<a checkpoint>` older than one the run holds would replace the newer checkpoints and their
+    metrics as it trains on: refused, naming the newer steps and the ways out. (A checkpoint that does not read is
+    left to the load's own message.)"""
+    try:
+        step = read_state(named).get("worker_step")
+    except (OSError, ValueError):
+        return
+    if isinstance(step, bool) or not isinstance(step, int):
+        return
+    newer = [c for c in complete_checkpoints(ckpt_root) if (checkpoint_step(c) or 0) > step]
+    if newer:
+        steps = ", ".join(str(checkpoint_step(c)) for c in newer)
+        raise ValueError(
+            f"trainer.resume={named} is step {step}, but {ckpt_root} holds newer checkpoints (step {steps}); "
+            f"training on from step {step} would replace them and the metrics after it. Resume from the newest "
+            f"(trainer.resume=auto), or start a new run from step {step} (another trainer.run_dir, same trainer.resume)"
+        )
 
 
 def check_nothing_to_lose(run_dir: Path) -> None:

@@ -23,6 +23,7 @@ from ppo_critic.data.batch import Batch
 from ppo_critic.parallel.collectives import all_gather_rows
 from ppo_critic.parallel.layout import ParallelLayout
 from ppo_critic.parallel.offload import PhaseOffload
+from ppo_critic.run.checkpoint import CheckpointDamaged, checkpoint_step
 
 
 class CriticWorker:
@@ -170,6 +171,12 @@ def _checks(path: str | Path, caller: Callable[[dict[str, Any]], None] | None) -
         if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(schedule, dict):
             raise ValueError(
                 f"checkpoint {path} is damaged: its trainer_state.json lacks a valid worker_step or scheduler"
+            )
+        named = checkpoint_step(path)
+        if named is not None and named != step:  # a checkpoint copied over another: which step is it?
+            raise CheckpointDamaged(
+                f"checkpoint {path} holds step {step} but its name says step {named} (copied over another?); "
+                f"rename it step_{step:08d} or remove it"
             )
         if caller is not None:
             caller(state)
