@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import signal
 import subprocess
 import sys
@@ -103,6 +104,42 @@ def test_values_never_overwrite_an_input_or_an_existing_file(run, rollouts, tmp_
     shutil.rmtree(run / "checkpoints")
     code, text = cli(["values", run, f"data={rollouts}", f"out={tmp_path / 'new.jsonl'}"], capsys)
     assert code == 2 and "has no complete checkpoint" in text and not (tmp_path / "new.jsonl").exists()
+
+
+def test_values_force_never_replaces_a_device_or_a_pipe(run, rollouts, tmp_path, capsys):
+    """Issue 43 family 10: --force replaced a device node (made here: as root, a null device) with a regular file."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    targets = [fifo]
+    if os.geteuid() == 0:
+        os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        targets.append(tmp_path / "null")
+    for target in targets:
+        code, text = cli(["values", run, f"data={rollouts}", f"out={target}", "--force"], capsys)
+        assert code == 2 and "is not a regular file (a device or a pipe?)" in text
+        assert not target.is_file() and (target.is_fifo() or target.is_char_device())
+
+
+def test_export_loads_the_newest_checkpoint_again_when_a_run_beside_it_removes_the_one_it_was_loading(
+    run, tmp_path, capsys, monkeypatch
+):
+    """Issue 43 family 10: export beside `train keep_last_n=1` failed 1 time in 4 with "not a complete checkpoint"
+    (the run deleted it mid-load). Made deterministic: the first load finds its checkpoint deleted under it."""
+    from ppo_critic.run.checkpoint import delete_checkpoint
+    from ppo_critic.worker import CriticWorker
+
+    original, loads = CriticWorker.load_checkpoint, []
+
+    def raced(self, path, *args, **kwargs):
+        loads.append(Path(path).name)
+        if len(loads) == 1:
+            delete_checkpoint(Path(path))  # what keep_last_n does beside us
+        return original(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(CriticWorker, "load_checkpoint", raced)
+    code, text = cli(["export", run, tmp_path / "out"], capsys)
+    assert code == 0 and loads == ["step_00000004", "step_00000002"]
+    assert f"exported step 2 of {run}" in text
 
 
 def test_a_new_run_never_starts_over_an_old_one(run, capsys):

@@ -258,12 +258,11 @@ def _worker_for(source: Path, overrides: list[str]) -> tuple[Any, TrainConfig]:
         base = OmegaConf.to_container(OmegaConf.load(source / "config.yaml"))
         base.setdefault("critic", {}).setdefault("model", {}).update(CODE_FREE)
         cfg = load_config(None, [*overrides, "trainer.resume=never"], base=base)
-        checkpoint = latest_checkpoint(source / "checkpoints")
-        if checkpoint is None:
+        if latest_checkpoint(source / "checkpoints") is None:
             raise FileNotFoundError(f"{source} has no complete checkpoint under checkpoints/")
         worker = make_worker(cfg)
         try:
-            worker.load_checkpoint(checkpoint)
+            _load_newest(worker, source / "checkpoints")
         except CheckpointDamaged as err:  # never an older checkpoint in silence
             raise CheckpointDamaged(
                 f"{err}; restore it from a copy, or run `ppo-critic train` on {source} again (it resumes from the "
@@ -277,6 +276,23 @@ def _worker_for(source: Path, overrides: list[str]) -> tuple[Any, TrainConfig]:
     check_trained_critic(source)  # every tensor a critic needs, or a refusal naming what is missing
     cfg = load_config(None, [*_exported_objective(source), *overrides, f"critic.model.path={source}"])
     return make_worker(cfg), cfg
+
+
+def _load_newest(worker: Any, root: Path, tries: int = 5) -> None:
+    """Load the newest checkpoint under `root` into `worker`. A training run beside this command may delete it
+    (`keep_last_n`) while it loads: then the newest one again, a few times (a damaged one that stays is an error)."""
+    from ppo_critic.run.checkpoint import latest_checkpoint
+
+    for attempt in range(tries):
+        checkpoint = latest_checkpoint(root)
+        if checkpoint is None:
+            raise FileNotFoundError(f"{root} holds no complete checkpoint any more (a run beside this one removed it)")
+        try:
+            worker.load_checkpoint(checkpoint)
+            return
+        except (OSError, ValueError):
+            if checkpoint.exists() or attempt == tries - 1:  # still there: damaged, not replaced
+                raise
 
 
 def _exported_objective(model_dir: Path) -> list[str]:

@@ -554,3 +554,21 @@ def test_the_step_api_gives_the_step_of_update_critic(tiny_qwen2):
     assert torch.isfinite(norm) and all(p.grad is None for p in model.parameters())
     for a, b in zip(ours.critic_module.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused():
+    """Issue 43 family 10: it trained nothing while every metric looked normal. Refused at the first update, before
+    any state changes (a critic that only computes values may hold any optimizer)."""
+    model, other = build_value_model(tiny_config()), build_value_model(tiny_config())
+    config = {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 2}
+    critic = DataParallelPPOCritic(config, model, torch.optim.AdamW(other.parameters()))
+    batch = make_batch(batch_size=4)
+    batch["values"] = critic.compute_values(batch)
+    batch["returns"] = torch.ones_like(batch["values"])
+    before = state_hash(model)
+    with pytest.raises(ValueError, match=r"critic_optimizer holds none of critic_module's parameters"):
+        critic.update_critic(batch)
+    assert state_hash(model) == before
+    critic = DataParallelPPOCritic(config, model, torch.optim.AdamW(model.parameters()))
+    critic.update_critic(batch)  # its own: trains
+    assert state_hash(model) != before

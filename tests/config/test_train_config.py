@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ppo_critic.cli import load_config
@@ -26,3 +28,12 @@ def test_an_option_given_dotted_and_nested_is_named():
 def test_override_config_keeps_its_keys_as_written():
     tree = {"critic": {"model": {"override_config": {"rope_scaling.type": "linear"}}}}
     assert nested_keys(tree, "f.yaml") == tree
+
+
+@pytest.mark.parametrize("option", ["trainer.run_dir=runs/x ", "data= rollouts.jsonl", "critic.model.path=/m\t"])
+def test_a_path_with_whitespace_at_an_end_is_refused_not_trimmed_in_silence(option):
+    """Issue 43 family 10: `trainer.run_dir='runs/x '` ran in runs/x without a word."""
+    key = option.split("=", 1)[0]
+    with pytest.raises(ValueError, match=rf"^{re.escape(key)}=.* has whitespace at an end"):
+        load_config(None, [option])
+    assert load_config(None, ["critic.optim.lr= 1e-3"]).critic.optim.lr == 1e-3  # a number: nothing lost

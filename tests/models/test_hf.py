@@ -363,3 +363,10 @@ def test_only_a_whole_critic_passes_as_one_to_score_with(tmp_path, head):
         with pytest.raises(SystemExit) as exit_:
             main(["values", str(directory), f"data={data}", f"out={tmp_path / 'values.jsonl'}"])
         assert exit_.value.code == 2 and not (tmp_path / "values.jsonl").exists()
+
+
+@pytest.mark.parametrize("vocab", [0, -3])
+def test_a_model_that_embeds_no_token_ids_is_refused_naming_vocab_size(vocab):
+    """Issue 43 family 10: vocab_size=0 built a model no batch could enter."""
+    with pytest.raises(ValueError, match=rf"vocab_size={vocab} must be a positive integer"):
+        build_value_model(tiny_config(), override_config={"vocab_size": vocab})

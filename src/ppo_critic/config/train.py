@@ -443,6 +443,11 @@ def _config_text(path: Path) -> str:
         raise ValueError(f"{path} is not UTF-8 text ({bad}); a config file is YAML saved as UTF-8") from None
 
 
+PATH_KEYS = ("run_dir", "data", "eval_data", "path", "tokenizer_path", "resume")
+"""Options that name a file or directory: a space at an end of one given on the command line is refused, since the
+YAML reading of a value drops it (a run would use another path than the one typed)."""
+
+
 def _read_override(override: str) -> dict:
     """One `key=value` override as a nested dict, its value read as YAML; a ValueError naming it if it cannot be."""
     import yaml
@@ -450,6 +455,10 @@ def _read_override(override: str) -> dict:
     from omegaconf.errors import OmegaConfBaseException
 
     key, value = override.split("=", 1)
+    if value != value.strip() and value.strip() and key.rsplit(".", 1)[-1] in PATH_KEYS:
+        raise ValueError(
+            f"{key}={value!r} has whitespace at an end, which an option's value drops; give the path without it"
+        )
     try:
         huge = _huge_integer(yaml.compose(value, Loader=yaml.SafeLoader))
         if huge is not None:

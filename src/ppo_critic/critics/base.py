@@ -236,6 +236,7 @@ class PPOCriticBase:
         batch.validate(require_targets=True)
         self.check_token_ids(batch)
         self._check_batch(batch)
+        self._check_trainable()
         max_token_len = self.sizes.max_token_len * self.sp_size
         batch = batch.select(UPDATE_KEYS).with_lengths()  # read where it arrives, then carried to its mini-batches
         if cfg.use_dynamic_bsz:
@@ -331,6 +332,9 @@ class PPOCriticBase:
 
     def _check_batch(self, batch: Batch) -> None:
         """Backend-specific input checks (after `Batch.validate`, before any state changes)."""
+
+    def _check_trainable(self) -> None:
+        """Backend-specific checks that an update can train the model (before any state changes)."""
 
     def _values(self, batch: Batch, groups: list[list[int]]) -> Tensor:
         raise NotImplementedError

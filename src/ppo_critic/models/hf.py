@@ -112,6 +112,7 @@ def build_value_model(
     config = _hf_config(model, trust_remote_code)
     for key, value in (override_config or {}).items():
         setattr(config, key, value)
+    check_vocab_size(config)
     config.num_labels, config.classifier_dropout, config.use_cache = head_outputs, 0.0, False
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
@@ -140,6 +141,13 @@ def build_value_model(
     init = None if head_loaded else value_head_init
     _finish_head(built, None if init == "default" else init, head_dtype)
     return built
+
+
+def check_vocab_size(config: Any) -> None:
+    """A model embeds at least one token id: `vocab_size` 0 (or not an integer) built a model no batch can enter."""
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
+        raise ValueError(f"vocab_size={vocab!r} must be a positive integer: the number of token ids the model embeds")
 
 
 @contextlib.contextmanager

@@ -321,6 +321,8 @@ def check_output(out: Path, kind: str, inputs: list[Path], force: bool, move: bo
     if kind == "file":
         if target.is_dir():
             raise ValueError(f"out={out} is a directory; name a file")
+        if not target.is_file():  # --force replaces files, never a device, a pipe or a socket
+            raise ValueError(f"out={out} is not a regular file (a device or a pipe?); name a file")
         if not force:
             raise ValueError(f"out={out} exists; choose a new file, or pass --force to replace it")
         return None

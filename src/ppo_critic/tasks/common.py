@@ -49,6 +49,14 @@ class Task(Protocol):
         `responses`, `response_mask`, `token_level_rewards`, each [n, R]."""
         ...
 
+    def prompts(self, batch_size: int, generator: torch.Generator, group: int = 1) -> tuple[Tensor, Tensor, Header]:
+        """`(prompts, prompt_mask, header)` without responses, for an actor that writes its own."""
+        ...
+
+    def rewards(self, batch: Any) -> Tensor:
+        """[B, R] the rewards of the batch's responses, whoever wrote them."""
+        ...
+
     def at(self, step: int) -> Task:
         """The fixed task of iteration `step` under the options' `drift` (itself when nothing moves)."""
         ...
@@ -121,10 +129,7 @@ class BuiltinTask(ABC):
         """A batch of `batch_size` rollouts with rewards and true values; deterministic given the generator state.
         `group` > 1: `batch_size / group` prompts, each with `group` independent responses in consecutive rows
         (verl's `rollout.n`, what group baselines and GRPO see)."""
-        check_batch_size(batch_size)
-        check_group(batch_size, group)
-        drawn = self._draw_prompts(batch_size // group, generator)
-        prompts, prompt_mask, header = drawn if group == 1 else repeat_rows(drawn, group)
+        prompts, prompt_mask, header = self.prompts(batch_size, generator, group)
         responses, lengths = self._responses(header, generator)
         rewards = self._rewards(responses, header, lengths)
         batch = rollout_batch(prompts, prompt_mask, responses, prefix_mask(lengths, self.response_width), rewards)
@@ -138,6 +143,20 @@ class BuiltinTask(ABC):
         check_prefix(t, int(self._response_lengths(row_responses, header)[0]))
         responses, lengths = self._responses(header, generator, kept=row_responses[0, :t])
         return continuation(responses, lengths, self._rewards(responses, header, lengths))
+
+    def prompts(self, batch_size: int, generator: torch.Generator, group: int = 1) -> tuple[Tensor, Tensor, Header]:
+        """`(prompts, prompt_mask, header)` as `sample` draws them, without responses: for an actor that writes its
+        own (bench/ppo_loop.py); `group` > 1 repeats each prompt in `group` consecutive rows."""
+        check_batch_size(batch_size)
+        check_group(batch_size, group)
+        drawn = self._draw_prompts(batch_size // group, generator)
+        return drawn if group == 1 else repeat_rows(drawn, group)
+
+    def rewards(self, batch: Any) -> Tensor:
+        """[B, R] float32 rewards of the batch's responses, whoever wrote them (the task's process or an actor):
+        the task's reward definition applied to its prompts and responses."""
+        header, responses, lengths = self._read_batch(batch, 1.0)
+        return self._rewards(responses, header, lengths)
 
     def at(self, step: int) -> BuiltinTask:
         """The fixed task whose policy draws iteration `step`'s rollouts under `config.drift` (itself while the

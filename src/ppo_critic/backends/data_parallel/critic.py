@@ -148,6 +148,13 @@ class DataParallelPPOCritic(PPOCriticBase):
         if not self.objective.identity and hf_config is not None:  # an HF export holds the head as it is: say so
             hf_config.ppo_critic_vf_loss_type = self.config.vf_loss_type
 
+    def _check_trainable(self) -> None:
+        """The optimizer steps this model (checked at the first update: a critic that only computes values may hold
+        any optimizer)."""
+        if not getattr(self, "_optimizer_checked", False):
+            check_optimizer_of(self.critic_module, self.critic_optimizer)
+            self._optimizer_checked = True
+
     def _packs(self) -> bool:
         """`model.use_remove_padding` resolved: auto packs unless the model cannot run packed rows (attention that
         cannot be switched, eager, sliding windows, float32 compute on CUDA); always under Ulysses, which needs them."""
@@ -332,3 +339,17 @@ class DataParallelPPOCritic(PPOCriticBase):
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+
+def check_optimizer_of(module: nn.Module, optimizer: Any) -> None:
+    """The optimizer steps the module's parameters (or their float32 masters): one built over another model (or
+    before the model was wrapped into new parameters) would train nothing while every metric looks normal."""
+    if optimizer is None or not hasattr(optimizer, "param_groups"):
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    stepped |= {id(p) for p in masters_of(optimizer)}
+    if not stepped & {id(p) for p in module.parameters()}:
+        raise ValueError(
+            "critic_optimizer holds none of critic_module's parameters (built over another model, or before the "
+            "model was wrapped?); build it from critic_module.parameters() after wrapping"
+        )
