@@ -9,8 +9,8 @@ import hashlib
 import json
 import os
 import shutil
-import stat
 import signal
+import stat
 import subprocess
 import sys
 import time
