@@ -224,3 +224,21 @@ def test_train_refuses_a_row_longer_than_the_models_positions(tmp_path, capsys):
     line = refusal(argv, capsys)
     assert f"{data}: row 4: field 'response_ids' has 10 tokens, so the row has at least 20" in line, line
     assert "more than the model's 16 positions" in line and not run.exists()
+
+
+def test_values_checks_the_rollout_file_before_it_builds_the_model(model_dir, tmp_path, capsys, monkeypatch):
+    """Issue 43, the first hour: a bad file cost 7-26 s of model building before its error. Now the file's rows are
+    read (against the model's vocabulary and positions, from its config alone) first; no worker is built."""
+    import ppo_critic.train
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the rollout file was checked")
+
+    monkeypatch.setattr(ppo_critic.train, "make_worker", no_model)
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt_ids": [1, 2], "response_ids": [3], "reward": 1.0}\n{"prompt_ids": [1]}\n')
+    line = refusal(["values", model_dir, f"data={data}", f"out={tmp_path / 'v.jsonl'}"], capsys)
+    assert f"{data}" in line and "row 2" in line, line
+    too_big = write_rows(tmp_path / "ids.jsonl", [{**row_of(2, 1), "prompt_ids": [10**6, 1]}])
+    line = refusal(["values", model_dir, f"data={too_big}", f"out={tmp_path / 'v.jsonl'}"], capsys)
+    assert "row 1" in line and "vocab" in line, line

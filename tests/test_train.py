@@ -43,7 +43,10 @@ def test_a_run_writes_every_artifact(tmp_path, capsys):
     assert {"config.yaml", "metrics.jsonl", "curves.png", "checkpoints", "hf", "tensorboard"} <= {
         p.name for p in run.iterdir()
     }
-    assert "ppo_mini_batch_size: 4" in out.getvalue()  # the resolved config is printed
+    head = out.getvalue().splitlines()[:2]  # a line saying what runs, not the whole config (issue 43, first hour)
+    assert head[0].startswith(f"run: {run} — task counting, qwen2 32×2, lr ") and head[0].endswith(", 4 steps")
+    assert head[1] == f"every option: {run / 'config.yaml'} once the run starts (`ppo-critic train --print-config`)"
+    assert "ppo_mini_batch_size: 4" in (run / "config.yaml").read_text()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert "eval/ev_true" in rows[1] and "eval/ev_returns" in rows[3] and "eval/mae_true" in rows[3]

@@ -198,6 +198,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _values(args: argparse.Namespace) -> int:
+    from ppo_critic.backends.build import model_limits
     from ppo_critic.data.rows import collate
     from ppo_critic.rollout_files.read import read_rollouts, tokenizer_dir
     from ppo_critic.rollout_files.write import write_values
@@ -209,11 +210,10 @@ def _values(args: argparse.Namespace) -> int:
     data, out = Path(pairs["data"]), Path(pairs["out"])
     check_output(out, "file", inputs=[data], force=args.force)
     rest = [o for o in args.overrides if o.split("=", 1)[0] not in ("data", "out")]
-    worker, cfg = _worker_for(args.source, rest)
-    text_config = worker.hf_config.get_text_config()
-    vocab_size = getattr(text_config, "vocab_size", None)
-    positions = getattr(text_config, "max_position_embeddings", None)  # no row may be longer
+    cfg = _config_for(args.source, rest)
+    vocab_size, positions = model_limits(cfg.critic.model)  # no row may be longer than the model's positions
     rows = read_rollouts(data, vocab_size=vocab_size, tokenizer=tokenizer_dir(cfg.critic.model), max_length=positions)
+    worker = _worker_of(args.source, cfg)  # the model is built once the inputs are known to be good
     chunk = cfg.trainer.rollout_batch_size
     values: list[list[float]] = []
     for start in range(0, len(rows), chunk):
@@ -232,7 +232,7 @@ def _export(args: argparse.Namespace) -> int:
     if not is_run_dir(args.run_dir):
         raise FileNotFoundError(f"{args.run_dir} is not a run directory (no config.yaml)")
     check_output(args.out_dir, "directory", inputs=[], force=args.force, move=False)
-    worker, _ = _worker_for(args.run_dir, [])  # the checkpoint verified and loaded before anything is moved
+    worker = _worker_of(args.run_dir, _config_for(args.run_dir, []))  # verified and loaded before anything moves
     aside = check_output(args.out_dir, "directory", inputs=[], force=args.force, move=worker.rank == 0)
     if aside is not None and worker.rank == 0:
         print(f"moved the previous {args.out_dir} aside to {aside}")
@@ -242,40 +242,49 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker_for(source: Path, overrides: list[str]) -> tuple[Any, TrainConfig]:
-    """A worker from a run directory (config.yaml + newest checkpoint) or from an HF model directory.
+def _config_for(source: Path, overrides: list[str]) -> TrainConfig:
+    """The options of a run directory (its config.yaml) or of an HF model directory, checked without building the
+    model: a missing checkpoint or an incomplete critic is refused here, before any slow work.
 
     Options that import or execute code (critic.model.trust_remote_code, critic.model.external_lib) come only from
     this command line, never from the run directory's saved config: opening someone's run directory runs no code.
     """
     from omegaconf import OmegaConf
 
-    from ppo_critic.run.checkpoint import CheckpointDamaged, latest_checkpoint
+    from ppo_critic.run.checkpoint import latest_checkpoint
     from ppo_critic.run.rundir import is_run_dir
-    from ppo_critic.train import make_worker
 
     if is_run_dir(source):
         base = OmegaConf.to_container(OmegaConf.load(source / "config.yaml"))
         base.setdefault("critic", {}).setdefault("model", {}).update(CODE_FREE)
-        cfg = load_config(None, [*overrides, "trainer.resume=never"], base=base)
         if latest_checkpoint(source / "checkpoints") is None:
             raise FileNotFoundError(f"{source} has no complete checkpoint under checkpoints/")
-        worker = make_worker(cfg)
-        try:
-            _load_newest(worker, source / "checkpoints")
-        except CheckpointDamaged as err:  # never an older checkpoint in silence
-            raise CheckpointDamaged(
-                f"{err}; restore it from a copy, or run `ppo-critic train` on {source} again (it resumes from the "
-                "newest checkpoint that verifies and saves that step anew, moving the damaged one aside)"
-            ) from err
-        return worker, cfg
+        return load_config(None, [*overrides, "trainer.resume=never"], base=base)
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is neither a run directory nor a model directory")
     from ppo_critic.models.hf import check_trained_critic
 
     check_trained_critic(source)  # every tensor a critic needs, or a refusal naming what is missing
-    cfg = load_config(None, [*_exported_objective(source), *overrides, f"critic.model.path={source}"])
-    return make_worker(cfg), cfg
+    return load_config(None, [*_exported_objective(source), *overrides, f"critic.model.path={source}"])
+
+
+def _worker_of(source: Path, cfg: TrainConfig) -> Any:
+    """The worker of `_config_for`'s options: for a run directory, with its newest checkpoint loaded."""
+    from ppo_critic.run.checkpoint import CheckpointDamaged
+    from ppo_critic.run.rundir import is_run_dir
+    from ppo_critic.train import make_worker
+
+    worker = make_worker(cfg)
+    if not is_run_dir(source):
+        return worker
+    try:
+        _load_newest(worker, source / "checkpoints")
+    except CheckpointDamaged as err:  # never an older checkpoint in silence
+        raise CheckpointDamaged(
+            f"{err}; restore it from a copy, or run `ppo-critic train` on {source} again (it resumes from the "
+            "newest checkpoint that verifies and saves that step anew, moving the damaged one aside)"
+        ) from err
+    return worker
 
 
 def _load_newest(worker: Any, root: Path, tries: int = 5) -> None:

@@ -23,7 +23,7 @@ from ppo_critic.algos import compute_gae_advantage_return, explained_variance, l
 from ppo_critic.config.train import TrainConfig, TrainerConfig, max_row_tokens, resolve_model
 from ppo_critic.parallel.mesh import init_distributed
 from ppo_critic.run import console, rundir
-from ppo_critic.run.lifecycle import Run, config_yaml
+from ppo_critic.run.lifecycle import Run
 from ppo_critic.run.runlog import RunLog
 from ppo_critic.tasks import TASKS
 from ppo_critic.worker import CriticWorker
@@ -324,7 +324,8 @@ class Interrupted(RuntimeError):
 
 def _resume(worker: CriticWorker, source: TaskSource | FileSource, cfg: TrainConfig, run: Run) -> None:
     """Say what runs, refuse options that cannot change, and resume from the checkpoint `trainer.resume` names."""
-    run.say(config_yaml(cfg.to_dict()))
+    run.say(f"run: {run_title(cfg, source)}, {cfg.trainer.steps} steps")
+    run.say(f"every option: {run.path / 'config.yaml'} once the run starts (`ppo-critic train --print-config`)")
     run.say(f"rollouts: {source.name}; evaluation: {source.eval_name or 'none (no evaluation set)'}")
     for note in source.notes:
         run.say(note)

@@ -250,3 +250,21 @@ def test_a_group_of_one_is_the_plain_sample():
     assert all(torch.equal(one[k], plain[k]) for k in plain)
     with pytest.raises(ValueError, match="group=3 must be a positive integer dividing batch_size=8"):
         task.sample(8, torch.Generator(), group=3)
+
+
+@pytest.mark.parametrize("name", ["counting", "dense", "long", "recall", "lengths", "scale"])
+def test_rewards_of_a_batch_are_the_rewards_sample_gave_it_and_prompts_are_samples_prompts(name):
+    """`rewards` (what scores an actor's responses) is the task's own reward definition; `prompts` draws what
+    `sample` draws before its responses (the same generator state, the same rows)."""
+    task = TASKS[name][0]()
+    batch = task.sample(12, torch.Generator().manual_seed(3), group=3)
+    assert torch.equal(task.rewards(batch), batch["token_level_rewards"])
+    prompts, prompt_mask, _ = task.prompts(12, torch.Generator().manual_seed(3), group=3)
+    width = prompts.shape[1]
+    assert torch.equal(prompts, batch["input_ids"][:, :width])
+    assert torch.equal(prompt_mask, batch["attention_mask"][:, :width])
+    flipped = {**batch, "responses": batch["responses"].clone()}
+    flipped["responses"][batch["response_mask"].bool()] = 0  # other responses, other rewards (where 0 is ordinary)
+    flipped["input_ids"] = torch.cat([prompts, flipped["responses"]], dim=1)
+    if name in ("counting", "dense"):
+        assert not torch.equal(task.rewards(flipped), batch["token_level_rewards"])

@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from torch import Tensor, nn
 
 from ppo_critic.config.critic import CriticConfig, ModelConfig, OptimConfig
-from ppo_critic.models.hf import build_value_model, find_value_head
+from ppo_critic.models.hf import build_value_model, find_value_head, hf_config_for
 from ppo_critic.models.lora import apply_lora
 from ppo_critic.parallel.master_weights import MasterWeightOptimizer, store_in
 
@@ -55,6 +55,18 @@ def model_from_config(model: ModelConfig, head_outputs: int = 1) -> nn.Module:
     if model.lora_rank:
         built = apply_lora(built, model.lora_rank, model.lora_alpha, model.target_modules)
     return built
+
+
+def model_limits(model: ModelConfig) -> tuple[int | None, int | None]:
+    """`(vocab_size, max_position_embeddings)` of the (text) model `model` describes, read from its config alone (no
+    weights, no model built): the bounds a rollout file is checked against before the model is built."""
+    if model.external_lib:
+        importlib.import_module(model.external_lib)
+    overrides = dict(model.override_config)
+    source = model.path if model.path is not None else overrides
+    config = hf_config_for(source, overrides if model.path is not None else None, model.trust_remote_code)
+    text = config.get_text_config()
+    return getattr(text, "vocab_size", None), getattr(text, "max_position_embeddings", None)
 
 
 def export_skeleton(model: ModelConfig, hf_config: Any) -> nn.Module:

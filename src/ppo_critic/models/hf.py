@@ -109,10 +109,7 @@ def build_value_model(
     head_file = os.path.join(path, VALUE_HEAD_FILE) if path is not None else None
     if head == "auto" and head_file is not None and os.path.isfile(head_file):
         head = "generic"  # an exported generic critic
-    config = _hf_config(model, trust_remote_code)
-    for key, value in (override_config or {}).items():
-        setattr(config, key, value)
-    check_vocab_size(config)
+    config = hf_config_for(model, override_config, trust_remote_code)
     config.num_labels, config.classifier_dropout, config.use_cache = head_outputs, 0.0, False
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
@@ -141,6 +138,16 @@ def build_value_model(
     init = None if head_loaded else value_head_init
     _finish_head(built, None if init == "default" else init, head_dtype)
     return built
+
+
+def hf_config_for(model: Any, override_config: Mapping[str, Any] | None = None, trust_remote_code: bool = False):
+    """The transformers config `build_value_model` builds `model` from (a config, a dict, or a directory's
+    config.json, then `override_config`), without building the model: what a command checks its inputs against."""
+    config = _hf_config(model, trust_remote_code)
+    for key, value in (override_config or {}).items():
+        setattr(config, key, value)
+    check_vocab_size(config)
+    return config
 
 
 def check_vocab_size(config: Any) -> None:

@@ -1,0 +1,112 @@
+"""bench/ppo_loop.py (issue 42), a few iterations of each kind: the actor learns from its own tokens, the task scores
+them, the critic is called as verl calls it, and the Monte-Carlo values are the exact ones where those are known."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppo_critic.tasks import CountingTask, CountingTaskConfig
+
+
+@pytest.fixture(scope="module")
+def loop():
+    path = Path(__file__).resolve().parents[1] / "bench" / "ppo_loop.py"
+    spec = importlib.util.spec_from_file_location("ppo_loop", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ppo_loop"] = module  # its dataclasses resolve annotations through their module
+    spec.loader.exec_module(module)
+    return module
+
+
+def small(loop, **options):
+    base = {"batch": 16, "mini_batches": 2, "eval_prompts": 16, "probe_rows": 4, "probe_samples": 4}
+    return loop.LoopConfig(**{**base, **options})
+
+
+def parameters(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+def test_a_critic_run_moves_the_actor_on_its_own_scored_tokens_and_calls_the_critic_as_verl_does(loop, tmp_path):
+    cfg = small(loop, method="critic:verl_lr1e-3", iterations=2)
+    run = loop.Loop(cfg, str(tmp_path))
+    calls = []
+    worker = run.critic.worker
+    compute, update = worker.compute_values, worker.update_critic
+    worker.compute_values = lambda batch: calls.append("compute_values") or compute(batch)
+    worker.update_critic = lambda batch: calls.append(("update_critic", sorted(batch))) or update(batch)
+    before = parameters(run.actor)
+    tokens = run.iteration(1)
+    assert not torch.equal(parameters(run.actor), before)  # the policy update changed the actor
+    assert calls[0] == "compute_values" and calls[1][0] == "update_critic"
+    assert {"values", "returns", "responses", "response_mask", "input_ids"} <= set(calls[1][1])
+    assert worker.step == 1 and 16 * 4 <= tokens <= 16 * 12  # 16 responses of 4..12 tokens
+
+
+def test_rollouts_are_the_actors_tokens_from_the_alphabet_scored_by_the_task(loop):
+    task = CountingTask()
+    actor = loop.build_actor(task.vocab_size, 32, seed=0)
+    prompts = task.prompts(64, torch.Generator().manual_seed(0))
+    batch = loop.respond(actor, task, 10, prompts, seed=1)
+    mask = batch["response_mask"].bool()
+    assert (batch["responses"][mask] < 10).all()  # targets and fillers only
+    assert torch.equal(mask.sum(-1), prompts[2][1])  # the lengths the prompts ask
+    hits = ((batch["responses"] == prompts[2][0][:, None]) & mask).sum(-1)
+    reward = batch["token_level_rewards"].sum(-1)
+    assert torch.equal(reward, (hits >= 2).float())  # counting's reward, computed from the actor's tokens
+    assert 0 < reward.mean() < 1
+
+
+def test_monte_carlo_values_of_a_uniform_actor_are_the_counting_tasks_exact_values(loop):
+    """The first actor is uniform over the 10 ordinary tokens: exactly the counting task at target_prob 0.1, whose
+    values are known. K continuations give each value within 5 standard errors (sd <= 0.5 / sqrt(K))."""
+    task = CountingTask()
+    actor = loop.build_actor(task.vocab_size, 32, seed=0)
+    batch = loop.respond(actor, task, 10, task.prompts(6, torch.Generator().manual_seed(1)), seed=2)
+    samples = 400
+    values = loop.mc_values(actor, task, 10, batch, samples, gamma=1.0, seed=3)
+    exact = CountingTask(CountingTaskConfig(target_prob=0.1)).true_values(batch)
+    assert (values - exact).abs().max() < 5 * 0.5 / samples**0.5
+    assert (values[batch["response_mask"] == 0] == 0).all()
+
+
+def test_grpo_and_reinforce_advantages_centre_the_outcome_within_a_group_or_the_batch(loop):
+    rewards = torch.zeros(4, 3)
+    rewards[[0, 3], 2] = 1.0
+    batch = {"token_level_rewards": rewards, "response_mask": torch.ones(4, 3, dtype=torch.long)}
+    grpo = loop.outcome_advantages(batch, group=2)
+    assert grpo[0, 0] > 0 > grpo[1, 0] and grpo[3, 0] > 0 > grpo[2, 0]
+    assert torch.allclose(grpo.view(2, 2, 3).sum(1), torch.zeros(2, 3), atol=1e-6)
+    batch_mean = loop.outcome_advantages(batch, group=4)
+    assert torch.allclose(batch_mean[:, 0], torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.5 / (1 / 3) ** 0.5, atol=1e-4)
+
+
+def test_the_policy_loss_clips_the_ratio_and_caps_a_negative_advantage_at_clip_c(loop):
+    cfg = loop.LoopConfig()
+    mask = torch.ones(1, 1)
+    old = torch.zeros(1, 1)
+    big = torch.log(torch.tensor([[5.0]]))  # ratio 5
+    assert loop.policy_loss(big, old, torch.ones(1, 1), mask, cfg, None).item() == pytest.approx(-1.2)
+    assert loop.policy_loss(big, old, -torch.ones(1, 1), mask, cfg, None).item() == pytest.approx(3.0)  # 5 capped
+    small_ratio = torch.log(torch.tensor([[0.5]]))
+    assert loop.policy_loss(small_ratio, old, -torch.ones(1, 1), mask, cfg, None).item() == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("method, group", [("grpo", 4), ("mc", 1)])
+def test_a_short_run_of_each_critic_free_method_records_its_curve(loop, method, group):
+    result = loop.run(small(loop, method=method, group=group, iterations=2, eval_every=1, mc_samples=2))
+    assert [step for step, _, _ in result["curve"]] == [0, 1, 2]
+    assert result["curve"][2][1] > result["curve"][1][1] > 0  # rollout tokens accumulate
+    assert result["probes"] == [] and result["critic_s_per_iteration"] == 0.0
+
+
+def test_a_critic_run_probes_the_critic_against_monte_carlo_values_and_times_it(loop):
+    result = loop.run(small(loop, method="critic:batch_alpha0.5_lr5e-4", iterations=2, eval_every=2, probe_every=2))
+    assert [p["step"] for p in result["probes"]] == [1, 2]
+    assert all(p["target_var"] > 0 and p["mse"] >= 0 for p in result["probes"])
+    assert 0 < result["critic_s_per_iteration"] < result["wall_s_per_iteration"]
