@@ -1,0 +1,527 @@
+"""PPO at small scale (issue 42): does a better critic make the actor learn faster?
+
+A tiny causal-LM actor (a transformers config built here, as the critic's is) answers a built-in task's prompts with
+`generate` (temperature 1, seeded; its tokens restricted to the task's response alphabet), and the task's reward
+definition scores what it wrote (`task.rewards`). Every iteration: `batch` responses (`group` per prompt), their
+advantages by the method, one pass of verl's clipped policy loss over `mini_batches` (clip 0.2, dual clip 3,
+token-mean; `kl_coef` > 0 adds the low-variance KL to the initial actor). Methods:
+
+- `critic:<configuration>`: GAE under the actor's γ and λ from the values of a `CriticWorker` built from
+  bench/ablation.py's configuration (its recipe and its own regression targets, `critic_returns` under its λ:
+  decoupled from the actor's); the critic is called as verl calls it (`compute_values`, then `update_critic` on the
+  batch with `values` and `returns`).
+- `mc`: GAE from Monte-Carlo values of the current actor (`mc_samples` continuations of every prefix): what a
+  perfect critic would give, at a cost no real run pays.
+- `grpo`: the outcome normalised within each group of `group` responses to one prompt (no critic).
+- `reinforce`: the outcome minus the batch mean, over the batch's standard deviation (no critic).
+
+Reported: the actor's mean score on held-out prompts (one sampled response each) every `eval_every` iterations, by
+iterations and by rollout tokens; iterations to the task's target score; the critic's EV and MSE against
+Monte-Carlo values of the current actor on a fixed probe set of prefixes every `probe_every` iterations, with the
+targets' variance beside them; wall and critic seconds per iteration.
+
+    OMP_NUM_THREADS=1 python bench/ppo_loop.py --tasks counting --seeds 0 1 2 3 4      # every method, one core
+    python bench/ppo_loop.py --report                                                  # tables and curves
+
+Each finished run is appended to `bench/results/ppo/<task>.json` at once (a run already there is not run again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import importlib.util
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ppo_critic.algos import compute_gae_advantage_return, explained_variance, masked_mean, masked_whiten
+from ppo_critic.cli import load_config
+from ppo_critic.config.train import resolve_model
+from ppo_critic.data.rows import rollout_batch
+from ppo_critic.run.files import write_file
+from ppo_critic.tasks import TASKS
+from ppo_critic.tasks.common import prefix_mask
+from ppo_critic.train import critic_returns, make_worker
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results" / "ppo"
+ACTOR_MODEL = {
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorTask:
+    """A suite task as an actor's task: its overrides (the critic's γ among them), how many token ids from 0 a
+    response may use, whether its score is per token (dense: the share of liked tokens) or per response, and the
+    held-out score that counts as learned."""
+
+    overrides: tuple[str, ...]
+    alphabet: str  # the task option holding the alphabet's size, or "ordinary" (targets + fillers)
+    per_token: bool
+    target: float
+    gamma: float = 1.0
+
+
+ACTOR_TASKS = {
+    "counting": ActorTask(("task.name=counting",), "ordinary", per_token=False, target=0.8),
+    "dense": ActorTask(("task.name=dense", "trainer.gamma=0.9"), "num_symbols", per_token=True, target=0.8, gamma=0.9),
+    "recall": ActorTask(("task.name=recall",), "num_symbols", per_token=False, target=0.9),
+}
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    """One PPO run. The defaults are verl's where it has one (clip 0.2, dual clip 3, token-mean, grad clip 1, no KL)."""
+
+    task: str = "counting"
+    method: str = "critic:batch_alpha0.5_lr5e-4"
+    seed: int = 0
+    iterations: int = 200
+    batch: int = 96
+    """responses per iteration (every method the same: the rollout budget)"""
+    group: int = 1
+    """responses per prompt, in consecutive rows (GRPO needs >= 2)"""
+    mini_batches: int = 2
+    actor_lr: float = 1e-3
+    lam: float = 0.95
+    """the actor's GAE λ (VC-PPO's decoupled actor λ); the critic's targets keep its own recipe's"""
+    clip: float = 0.2
+    clip_c: float = 3.0
+    kl_coef: float = 0.0
+    mc_samples: int = 8
+    eval_every: int = 10
+    eval_prompts: int = 256
+    probe_every: int = 20
+    probe_rows: int = 32
+    probe_samples: int = 32
+
+
+def _ablation() -> Any:
+    """bench/ablation.py as the module `ablation` (its critic configurations), loaded once."""
+    if "ablation" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("ablation", BENCH / "ablation.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["ablation"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["ablation"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The actor: a tiny causal LM that writes from the task's response alphabet
+
+
+def build_actor(vocab_size: int, positions: int, seed: int) -> torch.nn.Module:
+    """A qwen2-style causal LM with a zero output layer: its first policy is uniform over the alphabet."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        "qwen2", vocab_size=vocab_size, max_position_embeddings=positions, tie_word_embeddings=False, **ACTOR_MODEL
+    )
+    actor = AutoModelForCausalLM.from_config(config)
+    torch.nn.init.zeros_(actor.lm_head.weight)
+    actor.generation_config = GenerationConfig(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=vocab_size - 1, use_cache=True
+    )
+    return actor
+
+
+def alphabet_size(task: Any, spec: ActorTask) -> int:
+    """How many token ids from 0 a response may use."""
+    c = task.config
+    return c.num_targets + c.num_fillers if spec.alphabet == "ordinary" else getattr(c, spec.alphabet)
+
+
+def restrict(logits: Tensor, alphabet: int) -> Tensor:
+    """`logits` with every id outside the alphabet impossible."""
+    return logits.masked_fill(torch.arange(logits.shape[-1]) >= alphabet, -math.inf)
+
+
+def sample(actor: torch.nn.Module, ids: Tensor, mask: Tensor, new_tokens: int, alphabet: int, seed: int) -> Tensor:
+    """[N, new_tokens] tokens `generate` samples after `ids` (temperature 1, from the alphabet), seeded."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Alphabet(LogitsProcessor):
+        def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+            return restrict(scores, alphabet)
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = actor.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            logits_processor=LogitsProcessorList([Alphabet()]),
+        )
+    return out[:, ids.shape[1] :]
+
+
+def token_logprobs(actor: torch.nn.Module, batch: dict[str, Tensor], alphabet: int) -> Tensor:
+    """[B, R] log-probabilities of the response tokens under the actor (0 past each response's end)."""
+    responses, mask = batch["responses"], batch["response_mask"]
+    logits = actor(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    ).logits[:, -responses.shape[1] - 1 : -1]
+    logp = torch.log_softmax(restrict(logits.float(), alphabet), dim=-1)
+    picked = logp.gather(-1, responses.clamp(max=alphabet - 1)[..., None])[..., 0]
+    return torch.where(mask.bool(), picked, torch.zeros_like(picked))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rollouts: the actor's responses as the critic's batch layout, scored by the task
+
+
+def rollouts(task: Any, prompts: Tensor, prompt_mask: Tensor, lengths: Tensor, responses: Tensor) -> dict:
+    """The DESIGN §3 batch of the actor's `responses` cut to the lengths the prompts ask, with the task's rewards."""
+    mask = prefix_mask(lengths, responses.shape[1])
+    responses = responses.masked_fill(~mask.bool(), task.pad_token_id)
+    batch = rollout_batch(prompts, prompt_mask, responses, mask, torch.zeros(mask.shape))
+    batch["token_level_rewards"] = task.rewards(batch)
+    return batch
+
+
+def respond(actor: torch.nn.Module, task: Any, alphabet: int, prompts: tuple, seed: int) -> dict[str, Tensor]:
+    """One sampled response per row of `prompts` (`task.prompts`' triple), as a scored batch."""
+    ids, mask, header = prompts
+    tokens = sample(actor, ids, mask, task.response_width, alphabet, seed)
+    return rollouts(task, ids, mask, header[1], tokens)
+
+
+def scores(batch: dict[str, Tensor], per_token: bool) -> Tensor:
+    """[B] each response's score: its summed rewards, per response token when `per_token`."""
+    total = batch["token_level_rewards"].sum(-1)
+    return total / batch["response_mask"].sum(-1) if per_token else total
+
+
+def discounted_from(rewards: Tensor, t: int, gamma: float) -> Tensor:
+    """[N] Σ_{k>=t} γ^(k-t)·r_k."""
+    tail = rewards[:, t:]
+    return (tail * gamma ** torch.arange(tail.shape[1], dtype=tail.dtype)).sum(-1)
+
+
+def mc_values(actor, task, alphabet: int, batch: dict[str, Tensor], samples: int, gamma: float, seed: int) -> Tensor:
+    """[B, R] Monte-Carlo values of the actor at every response position: the mean discounted return from t of
+    `samples` continuations that keep the row's tokens < t (0 past each response's end)."""
+    mask, responses = batch["response_mask"], batch["responses"]
+    width, lengths = batch["input_ids"].shape[1] - responses.shape[1], mask.sum(-1)
+    values = torch.zeros(mask.shape)
+    for t in range(responses.shape[1]):
+        rows = (lengths > t).nonzero()[:, 0]
+        if len(rows) == 0:
+            break
+        keep = rows.repeat_interleave(samples)
+        ids, ids_mask = batch["input_ids"][keep, : width + t], batch["attention_mask"][keep, : width + t]
+        tail = sample(actor, ids, ids_mask, responses.shape[1] - t, alphabet, seed * 1009 + t)
+        full = torch.cat([responses[keep, :t], tail], dim=1)
+        cont = rollouts(task, ids[:, :width], ids_mask[:, :width], lengths[keep], full)
+        returns = discounted_from(cont["token_level_rewards"], t, gamma)
+        values[rows, t] = returns.view(len(rows), samples).mean(-1)
+    return values
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Advantages: GAE from a critic's values, or a critic-free baseline
+
+
+def gae_advantages(batch: dict[str, Tensor], values: Tensor, gamma: float, lam: float) -> Tensor:
+    """verl's GAE advantages (whitened over the batch's tokens) from `values`."""
+    advantages, _ = compute_gae_advantage_return(
+        batch["token_level_rewards"], values, batch["response_mask"], gamma, lam
+    )
+    return masked_whiten(advantages, batch["response_mask"])
+
+
+def outcome_advantages(batch: dict[str, Tensor], group: int, eps: float = 1e-6) -> Tensor:
+    """The outcome normalised within each group of `group` consecutive rows (GRPO), or over the whole batch when
+    `group` is the batch (REINFORCE with a batch-mean baseline), on every response token."""
+    outcome = batch["token_level_rewards"].sum(-1).view(-1, group)
+    centred = (outcome - outcome.mean(-1, keepdim=True)) / (outcome.std(-1, keepdim=True) + eps)
+    return centred.reshape(-1, 1) * batch["response_mask"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The policy update: verl's clipped surrogate, token-mean over each mini-batch
+
+
+def policy_loss(logp: Tensor, old: Tensor, advantages: Tensor, mask: Tensor, cfg: LoopConfig, ref: Tensor | None):
+    """verl's dual-clip PPO loss (token-mean), plus `kl_coef` × the low-variance KL to `ref` when given."""
+    ratio = torch.exp(logp - old)
+    clipped = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - cfg.clip, 1 + cfg.clip))
+    loss = torch.where(advantages < 0, torch.minimum(clipped, -advantages * cfg.clip_c), clipped)
+    if ref is not None and cfg.kl_coef:
+        log_ratio = (ref - logp).clamp(-20, 20)
+        loss = loss + cfg.kl_coef * (torch.exp(log_ratio) - log_ratio - 1).clamp(-10, 10)
+    return masked_mean(loss, mask)
+
+
+def rows_of(batch: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def update_actor(actor, optimizer, batch, advantages, old, ref, alphabet: int, cfg: LoopConfig, generator) -> None:
+    """One epoch of the policy loss over `mini_batches` shuffled mini-batches."""
+    for rows in torch.randperm(len(advantages), generator=generator).chunk(cfg.mini_batches):
+        part = rows_of(batch, rows)
+        logp = token_logprobs(actor, part, alphabet)
+        loss = policy_loss(
+            logp, old[rows], advantages[rows], part["response_mask"], cfg, None if ref is None else ref[rows]
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
+        optimizer.step()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One run
+
+
+class Critic:
+    """A `CriticWorker` of bench/ablation.py's configuration `name` on the task, as verl uses it."""
+
+    def __init__(self, name: str, task_name: str, task: Any, cfg: LoopConfig, run_dir: str):
+        overrides = [*_ablation().CONFIGS[name][1], *ACTOR_TASKS[task_name].overrides]
+        overrides += [f"trainer.rollout_batch_size={cfg.batch}", f"trainer.steps={cfg.iterations}"]
+        overrides += [f"critic.ppo_mini_batch_size={cfg.batch // cfg.mini_batches}"]  # the actor's, as in verl
+        overrides += [f"trainer.seed={cfg.seed}", f"trainer.run_dir={run_dir}"]
+        train_cfg = load_config(None, overrides)
+        self.cfg = resolve_model(train_cfg, task.vocab_size, task.prompt_width + task.response_width)
+        self.worker = make_worker(self.cfg)
+        self.seconds = 0.0
+
+    def values(self, batch: dict[str, Tensor]) -> Tensor:
+        start = time.perf_counter()
+        values = self.worker.compute_values(batch)
+        self.seconds += time.perf_counter() - start
+        return values
+
+    def update(self, batch: dict[str, Tensor], values: Tensor) -> None:
+        """`update_critic` on the batch, its targets by the configuration's own recipe."""
+        start = time.perf_counter()
+        batch = {**batch, "values": values}
+        batch["returns"] = critic_returns(batch, values, self.cfg.trainer, self.worker.step)
+        self.worker.update_critic(batch)
+        self.seconds += time.perf_counter() - start
+
+
+class Loop:
+    """The actor, its optimiser, the task, the method's critic (if any), and the fixed held-out and probe sets."""
+
+    def __init__(self, cfg: LoopConfig, run_dir: str):
+        self.cfg, spec = cfg, ACTOR_TASKS[cfg.task]
+        options = load_config(None, list(spec.overrides)).task_config()
+        self.task = TASKS[cfg.task][0](options)
+        self.spec, self.gamma = spec, spec.gamma
+        self.alphabet = alphabet_size(self.task, spec)
+        self.actor = build_actor(self.task.vocab_size, self.task.prompt_width + self.task.response_width, cfg.seed)
+        self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=cfg.actor_lr, weight_decay=0.0)
+        self.ref = copy.deepcopy(self.actor).eval() if cfg.kl_coef else None
+        self.critic = (
+            Critic(cfg.method.split(":", 1)[1], cfg.task, self.task, cfg, run_dir) if self.uses_critic else None
+        )
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        held_out = torch.Generator().manual_seed(cfg.seed + 1_000_003)
+        self.eval_prompts = self.task.prompts(cfg.eval_prompts, held_out)
+        self.probe = respond(self.actor, self.task, self.alphabet, self.task.prompts(cfg.probe_rows, held_out), -1)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.cfg.method.startswith("critic:")
+
+    def advantages(self, batch: dict[str, Tensor], step: int) -> Tensor:
+        """The method's advantages for `batch` (and the critic's update, for a critic method)."""
+        cfg = self.cfg
+        if cfg.method == "grpo":
+            return outcome_advantages(batch, cfg.group)
+        if cfg.method == "reinforce":
+            return outcome_advantages(batch, len(batch["responses"]))
+        if cfg.method == "mc":
+            values = mc_values(self.actor, self.task, self.alphabet, batch, cfg.mc_samples, self.gamma, step)
+            return gae_advantages(batch, values, self.gamma, cfg.lam)
+        values = self.critic.values(batch)
+        advantages = gae_advantages(batch, values, self.gamma, cfg.lam)
+        self.critic.update(batch, values)
+        return advantages
+
+    def iteration(self, step: int) -> int:
+        """Rollouts, advantages, one policy update; returns the rollout's response tokens."""
+        prompts = self.task.prompts(self.cfg.batch, self.generator, self.cfg.group)
+        batch = respond(self.actor, self.task, self.alphabet, prompts, self.cfg.seed * 100_003 + step)
+        with torch.no_grad():
+            old = token_logprobs(self.actor, batch, self.alphabet)
+            ref = None if self.ref is None else token_logprobs(self.ref, batch, self.alphabet)
+        advantages = self.advantages(batch, step)
+        update_actor(self.actor, self.optimizer, batch, advantages, old, ref, self.alphabet, self.cfg, self.generator)
+        return int(batch["response_mask"].sum())
+
+    def evaluate(self, step: int) -> float:
+        """The actor's mean score on the held-out prompts (one response each, the same seed every time)."""
+        batch = respond(self.actor, self.task, self.alphabet, self.eval_prompts, 7_777_777)
+        return scores(batch, self.spec.per_token).mean().item()
+
+    def probe_critic(self, step: int) -> dict[str, float]:
+        """The critic's EV and MSE against Monte-Carlo values of the current actor on the probe prefixes."""
+        truth = mc_values(
+            self.actor, self.task, self.alphabet, self.probe, self.cfg.probe_samples, self.gamma, 31 + step
+        )
+        mask = self.probe["response_mask"]
+        values = self.critic.worker.compute_values(self.probe)
+        return {
+            "step": step,
+            "ev": explained_variance(values, truth, mask).item(),
+            "mse": masked_mean((values - truth) ** 2, mask).item(),
+            "target_var": masked_mean((truth - masked_mean(truth, mask)) ** 2, mask).item(),
+        }
+
+
+def run(cfg: LoopConfig) -> dict:
+    """Train the actor for `iterations` by the method; its curves and costs."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        loop = Loop(cfg, run_dir)
+        curve, probes, tokens, wall = [(0, 0, loop.evaluate(0))], [], 0, 0.0
+        for step in range(1, cfg.iterations + 1):
+            start = time.perf_counter()
+            tokens += loop.iteration(step)
+            wall += time.perf_counter() - start
+            if step % cfg.eval_every == 0:
+                curve.append((step, tokens, loop.evaluate(step)))
+            if loop.critic is not None and (step % cfg.probe_every == 0 or step == 1):
+                probes.append(loop.probe_critic(step))
+    reached = next((step for step, _, score in curve if score >= loop.spec.target), None)
+    return {
+        **dataclasses.asdict(cfg),
+        "curve": curve,
+        "probes": probes,
+        "iterations_to_target": reached,
+        "tokens_to_target": next((tok for step, tok, _ in curve if step == reached), None),
+        "final_score": statistics.mean(score for _, _, score in curve[-3:]),
+        "wall_s_per_iteration": wall / cfg.iterations,
+        "critic_s_per_iteration": (loop.critic.seconds if loop.critic else 0.0) / cfg.iterations,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The suite: every method on a task, several seeds; tables from the result files
+
+
+DEFAULT_CRITIC = "critic:batch_alpha0.5_lr5e-4"
+METHODS = {  # name -> LoopConfig overrides
+    "ppo-critic": {"method": DEFAULT_CRITIC},
+    **{f"verl_lr{lr}": {"method": f"critic:verl_lr{lr}"} for lr in ("3e-4", "1e-3", "3e-3")},
+    "grpo_n4": {"method": "grpo", "group": 4},
+    "grpo_n8": {"method": "grpo", "group": 8},
+    "reinforce": {"method": "reinforce"},
+    "mc": {"method": "mc"},
+}
+
+
+def same_config(result: dict, cfg: LoopConfig) -> bool:
+    """Whether `result` is a run of `cfg`."""
+    return all(result.get(key) == value for key, value in dataclasses.asdict(cfg).items())
+
+
+def load(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["results"] if path.exists() else []
+
+
+def lower_median(values: list) -> Any:
+    """The median (the lower one for an even count), where None (never reached) counts as slower than any number."""
+    ordered = sorted(values, key=lambda v: math.inf if v is None else v)
+    return ordered[(len(ordered) - 1) // 2] if ordered else None
+
+
+def table(task: str, results: list[dict]) -> str:
+    """Markdown: a row per method, iterations to the target (median; per seed), final score, critic EV, cost."""
+    lines = [
+        f"| method | seeds | iterations to {ACTOR_TASKS[task].target} (median; per seed) | final score | "
+        "critic EV vs MC (median over probes) | s/iteration (critic) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in METHODS:
+        rows = [r for r in results if r["name"] == name]
+        if not rows:
+            continue
+        reach = [r["iterations_to_target"] for r in rows]
+        shown = ", ".join("never" if v is None else str(v) for v in reach)
+        med = lower_median(reach)
+        evs = [statistics.median(p["ev"] for p in r["probes"]) for r in rows if r["probes"]]
+        ev = f"{statistics.median(evs):.2f}" if evs else "—"
+        wall = statistics.median(r["wall_s_per_iteration"] for r in rows)
+        critic = statistics.median(r["critic_s_per_iteration"] for r in rows)
+        lines.append(
+            f"| {name} | {len(rows)} | {'never' if med is None else med} ({shown}) | "
+            f"{statistics.median(r['final_score'] for r in rows):.3f} | {ev} | {wall:.2f} ({critic:.2f}) |"
+        )
+    return "\n".join(lines)
+
+
+def report(results: Path = RESULTS) -> str:
+    """A table per task of the result files in `results`."""
+    parts = []
+    for path in sorted(results.glob("*.json")):
+        task = path.stem
+        parts += [f"### {task} (target score {ACTOR_TASKS[task].target})", "", table(task, load(path)), ""]
+    return "\n".join(parts)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", nargs="*", default=["counting"], choices=list(ACTOR_TASKS))
+    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2, 3, 4])
+    p.add_argument("--iterations", type=int, default=LoopConfig.iterations)
+    p.add_argument("--actor-lr", type=float, default=LoopConfig.actor_lr)
+    p.add_argument("--batch", type=int, default=LoopConfig.batch, help="responses per iteration")
+    p.add_argument("--lam", type=float, default=LoopConfig.lam, help="the actor's GAE λ")
+    p.add_argument("--results", type=Path, default=RESULTS, help="the folder of the result files (screens: another)")
+    p.add_argument("--report", action="store_true", help="only print the tables of the result files")
+    args = p.parse_args()
+    if args.report:
+        print(report(args.results))
+        return
+    torch.set_num_threads(1)
+    args.results.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "python": platform.python_version()}
+    for task in args.tasks:
+        path = args.results / f"{task}.json"
+        for seed in args.seeds:
+            for name in args.methods:
+                options = {
+                    "iterations": args.iterations,
+                    "actor_lr": args.actor_lr,
+                    "batch": args.batch,
+                    **METHODS[name],
+                }
+                options["lam"] = args.lam
+                cfg = LoopConfig(task=task, seed=seed, **options)
+                if any(r["name"] == name and same_config(r, cfg) for r in load(path)):
+                    continue
+                result = {"name": name, **run(cfg)}
+                write_file(path, json.dumps({"meta": meta, "results": [*load(path), result]}, indent=1))
+                print(
+                    f"{task} {name} seed={seed}: to target {result['iterations_to_target']} final "
+                    f"{result['final_score']:.3f} {result['wall_s_per_iteration']:.2f} s/it",
+                    flush=True,
+                )
+        print(report(args.results))
+
+
+if __name__ == "__main__":
+    main()
