@@ -5,6 +5,8 @@ collective while rank 1 fails:
 - `die`: rank 1 is killed (SIGKILL), as by the OOM killer or a lost node;
 - `options`: `ppo-critic train` where rank 1 was started with other options (its seed, and its model's size):
   every rank refuses, naming the keys, before any model is built;
+- `api-options`: `DataParallelPPOCritic` built on each rank from another config (ppo_epochs) and model (hidden size):
+  every rank refuses at construction, naming the keys and each rank's value;
 - `bad-batch`: a CriticWorker job (DP=2, `dist_timeout_s`=timeout) where only rank 1's share of the global batch holds a
   NaN return, so rank 1 rejects it while rank 0 enters the update's collectives.
 With <pid_dir>, each rank first writes its process id there (the test checks that every rank is gone)."""
@@ -37,6 +39,17 @@ if mode == "bad-batch":
     batch["returns"][2, 0] = float("nan")  # row 2 is in rank 1's share (rows 2-3 of every block of 4)
     worker.update_critic(batch)
     print(f"rank {dist.get_rank()} finished")  # must not happen
+    sys.exit(0)
+if mode == "api-options":
+    from conftest import TINY
+    from ppo_critic import DataParallelPPOCritic, build_value_model
+
+    init_distributed(timeout_s=timeout_s)
+    rank = dist.get_rank()
+    model = build_value_model({"model_type": "qwen2", **TINY, "hidden_size": 32 if rank == 0 else 64})
+    config = {"ppo_mini_batch_size": 4, "ppo_epochs": 1 + rank}
+    DataParallelPPOCritic(config, model, torch.optim.AdamW(model.parameters()))
+    print(f"rank {rank} finished")  # must not happen
     sys.exit(0)
 if mode == "options":
     from ppo_critic.cli import main

@@ -57,3 +57,13 @@ def test_ranks_started_with_other_options_refuse_naming_each_key(tmp_path):
     assert "the ranks were started with different options (" in output, output[-4000:]
     assert "trainer.seed: rank 0 0, rank 1 1" in output and "critic.model.override_config: rank 0" in output
     assert not (tmp_path / "run").exists()  # refused before the run directory was created
+
+
+def test_critics_built_from_other_settings_on_each_rank_refuse_at_construction_naming_each_key():
+    """Issue 43 family 6: through the Python API, ranks with other epochs or another model aborted deep in gloo or
+    trained apart in silence. Now every rank refuses when the critic is built, naming the keys and the ranks."""
+    result = torchrun(str(HERE / "fault_worker.py"), "api-options", "30", timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "finished" not in result.stdout
+    assert "the critic's ranks hold different settings (" in output, output[-4000:]
+    assert "critic.ppo_epochs: rank 0 1, rank 1 2" in output and "model.config: rank 0 " in output

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ppo_critic.config.ranks import check_ranks_agree, flat_options
 from ppo_critic.run.checkpoint import CheckpointDamaged, checkpoint_step, complete_checkpoints, read_state
 from ppo_critic.run.files import RunDirLock, move_aside, write_file
 from ppo_critic.run.runlog import METRICS_FILE
@@ -60,17 +61,7 @@ def holds_a_run(run_dir: Path) -> bool:
 def same_options(options: dict[str, Any]) -> None:
     """Under torchrun, every rank must run the same options: a rank started otherwise (another seed, rate, run
     directory, data file, size) would train apart or abort in a collective. The keys that differ are named."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    flat = flat_options(options)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, flat)
-    keys = sorted({k for other in every for k in other.keys() | flat.keys() if other.get(k) != every[0].get(k)})
-    if keys:
-        listed = "; ".join(f"{k}: " + ", ".join(f"rank {r} {o.get(k)!r}" for r, o in enumerate(every)) for k in keys)
-        raise ValueError(f"the ranks were started with different options ({listed}); start every rank alike")
+    check_ranks_agree(options, "the ranks were started with different options", "start every rank alike")
 
 
 def agree(lead: bool, action: Callable[[], T], share: bool = False) -> T | None:
@@ -224,17 +215,6 @@ def record_changes(run_dir: Path, step: int, changes: dict[str, list[Any]]) -> N
     path = run_dir / CHANGES_FILE
     old = path.read_text() if path.is_file() else ""
     write_file(path, old + json.dumps({"step": step, "changed": changes}) + "\n")
-
-
-def flat_options(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """`{"a": {"b": 1}}` -> `{"a.b": 1}` (an `override_config` stays one value)."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value and key != "override_config":
-            out |= flat_options(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    return out
 
 
 def _contents(run_dir: Path) -> list[str]:

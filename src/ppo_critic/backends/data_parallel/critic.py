@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ppo_critic.backends.data_parallel.fsdp import average_plain_gradients, clip_grad_norm
 from ppo_critic.config.critic import CriticConfig, RankSizes
+from ppo_critic.config.ranks import check_ranks_agree
 from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics
 from ppo_critic.critics.ema import ParameterEMA
 from ppo_critic.critics.perf import ModelShape, PhaseTimer
@@ -99,6 +100,11 @@ class DataParallelPPOCritic(PPOCriticBase):
                 f"sp={layout.sp}; build the layout with ppo_critic.parallel.layout.layout_of(config)"
             )
         self.config, self.sizes, self.layout = config, sizes, layout
+        check_ranks_agree(
+            {"critic": config.to_dict(), "model": model_signature(critic_module)},
+            "the critic's ranks hold different settings",
+            "build every rank's critic from the same config and model",
+        )
         self.critic_module = critic_module
         self.critic_optimizer = critic_optimizer
         self.device = next(critic_module.parameters()).device
@@ -353,3 +359,17 @@ def check_optimizer_of(module: nn.Module, optimizer: Any) -> None:
             "critic_optimizer holds none of critic_module's parameters (built over another model, or before the "
             "model was wrapped?); build it from critic_module.parameters() after wrapping"
         )
+
+
+def model_signature(module: nn.Module) -> dict[str, Any]:
+    """What must match across data-parallel ranks of one model, whatever wraps it (FSDP shards differ per rank): a
+    digest of its transformers config (its architecture and sizes); nothing for a module without one."""
+    import hashlib
+    import json
+
+    config = getattr(unwrap(module), "config", None)
+    if not hasattr(config, "to_dict"):
+        return {}
+    return {
+        "config": hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    }
