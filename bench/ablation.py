@@ -571,13 +571,13 @@ def report() -> str:
     return "\n".join(parts)
 
 
-def write_report(text: str) -> None:
-    """Replace the suite tables in docs/QUALITY.md (between its markers) with `text`."""
+def write_report(text: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace a block of docs/QUALITY.md (between its markers; by default the suite tables) with `text`."""
     doc = QUALITY.read_text()
-    block = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
+    block = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
     if not block.search(doc):
-        raise SystemExit(f"{QUALITY} has no block between {BEGIN!r} and {END!r}")
-    write_file(QUALITY, block.sub(lambda _: f"{BEGIN}\n{text}\n{END}", doc))
+        raise SystemExit(f"{QUALITY} has no block between {begin!r} and {end!r}")
+    write_file(QUALITY, block.sub(lambda _: f"{begin}\n{text}\n{end}", doc))
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ from ppo_critic.algos import compute_gae_advantage_return, explained_variance, m
 from ppo_critic.cli import load_config
 from ppo_critic.config.train import resolve_model
 from ppo_critic.data.rows import rollout_batch
-from ppo_critic.run.files import write_file
+from ppo_critic.run.files import write_file, write_with
 from ppo_critic.tasks import TASKS
 from ppo_critic.tasks.common import prefix_mask
 from ppo_critic.train import critic_returns, make_worker
@@ -75,14 +75,19 @@ class ActorTask:
     alphabet: str  # the task option holding the alphabet's size, or "ordinary" (targets + fillers)
     per_token: bool
     target: float
+    actor_lr: float
+    """the actor's rate: the uniform actor reaches the target in 100-200 iterations (screened with every method)"""
     gamma: float = 1.0
 
 
 ACTOR_TASKS = {
-    "counting": ActorTask(("task.name=counting",), "ordinary", per_token=False, target=0.8),
-    "dense": ActorTask(("task.name=dense", "trainer.gamma=0.9"), "num_symbols", per_token=True, target=0.8, gamma=0.9),
-    "recall": ActorTask(("task.name=recall",), "num_symbols", per_token=False, target=0.9),
+    "counting": ActorTask(("task.name=counting",), "ordinary", per_token=False, target=0.8, actor_lr=1e-4),
+    "dense": ActorTask(
+        ("task.name=dense", "trainer.gamma=0.9"), "num_symbols", per_token=True, target=0.8, actor_lr=1e-3, gamma=0.9
+    ),
+    "recall": ActorTask(("task.name=recall",), "num_symbols", per_token=False, target=0.9, actor_lr=1e-4),
 }
+BEGIN, END = "<!-- ppo tables: bench/ppo_loop.py --report -->", "<!-- end of ppo tables -->"
 
 
 @dataclasses.dataclass
@@ -109,7 +114,7 @@ class LoopConfig:
     eval_prompts: int = 256
     probe_every: int = 20
     probe_rows: int = 32
-    probe_samples: int = 32
+    probe_samples: int = 64
 
 
 def _ablation() -> Any:
@@ -377,17 +382,22 @@ class Loop:
         return scores(batch, self.spec.per_token).mean().item()
 
     def probe_critic(self, step: int) -> dict[str, float]:
-        """The critic's EV and MSE against Monte-Carlo values of the current actor on the probe prefixes."""
-        truth = mc_values(
-            self.actor, self.task, self.alphabet, self.probe, self.cfg.probe_samples, self.gamma, 31 + step
-        )
-        mask = self.probe["response_mask"]
+        """The critic's EV and MSE against Monte-Carlo values of the current actor on the probe prefixes, with the
+        truth's variance and its own noise (the variance of the Monte-Carlo mean, from two independent halves:
+        E[(a - b)²] / 4), which bounds what any critic can score against it."""
+        cfg, mask = self.cfg, self.probe["response_mask"]
+        halves = [
+            mc_values(self.actor, self.task, self.alphabet, self.probe, cfg.probe_samples // 2, self.gamma, seed)
+            for seed in (31 + step, 1_000_033 + step)
+        ]
+        truth = (halves[0] + halves[1]) / 2
         values = self.critic.worker.compute_values(self.probe)
         return {
             "step": step,
             "ev": explained_variance(values, truth, mask).item(),
             "mse": masked_mean((values - truth) ** 2, mask).item(),
             "target_var": masked_mean((truth - masked_mean(truth, mask)) ** 2, mask).item(),
+            "mc_noise": masked_mean((halves[0] - halves[1]) ** 2, mask).item() / 4,
         }
 
 
@@ -447,37 +457,91 @@ def lower_median(values: list) -> Any:
     return ordered[(len(ordered) - 1) // 2] if ordered else None
 
 
+def spread(values: list) -> str:
+    """Each seed's value ("never" for None), in seed order."""
+    return ", ".join("never" if v is None else f"{v:g}" for v in values)
+
+
 def table(task: str, results: list[dict]) -> str:
-    """Markdown: a row per method, iterations to the target (median; per seed), final score, critic EV, cost."""
+    """Markdown: a row per method (median over seeds; every seed's value in brackets): iterations and rollout tokens
+    to the target, the final score, the critic against Monte-Carlo values of the moving actor, the cost."""
     lines = [
-        f"| method | seeds | iterations to {ACTOR_TASKS[task].target} (median; per seed) | final score | "
-        "critic EV vs MC (median over probes) | s/iteration (critic) |",
-        "|---|---|---|---|---|---|",
+        f"| method | seeds | iterations to {ACTOR_TASKS[task].target} | rollout tokens to it (k) | final score | "
+        "critic EV / MSE vs MC (its variance, its noise) | s/iteration (critic) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in METHODS:
-        rows = [r for r in results if r["name"] == name]
+        rows = sorted((r for r in results if r["name"] == name), key=lambda r: r["seed"])
         if not rows:
             continue
         reach = [r["iterations_to_target"] for r in rows]
-        shown = ", ".join("never" if v is None else str(v) for v in reach)
-        med = lower_median(reach)
-        evs = [statistics.median(p["ev"] for p in r["probes"]) for r in rows if r["probes"]]
-        ev = f"{statistics.median(evs):.2f}" if evs else "—"
+        tokens = [None if r["tokens_to_target"] is None else round(r["tokens_to_target"] / 1000) for r in rows]
+        probes = [p for r in rows for p in r["probes"]]
+        critic = "—"
+        if probes:
+            ev, mse, var, noise = (
+                statistics.median(p[k] for p in probes) for k in ("ev", "mse", "target_var", "mc_noise")
+            )
+            critic = f"{ev:.2f} / {mse:.4f} ({var:.4f}, {noise:.4f})"
         wall = statistics.median(r["wall_s_per_iteration"] for r in rows)
-        critic = statistics.median(r["critic_s_per_iteration"] for r in rows)
+        work = statistics.median(r["critic_s_per_iteration"] for r in rows)
+        med_reach, med_tokens = lower_median(reach), lower_median(tokens)
         lines.append(
-            f"| {name} | {len(rows)} | {'never' if med is None else med} ({shown}) | "
-            f"{statistics.median(r['final_score'] for r in rows):.3f} | {ev} | {wall:.2f} ({critic:.2f}) |"
+            f"| {name} | {len(rows)} | {spread([med_reach])} ({spread(reach)}) | {spread([med_tokens])} "
+            f"({spread(tokens)}) | {statistics.median(r['final_score'] for r in rows):.3f} | {critic} | "
+            f"{wall:.2f} ({work:.2f}) |"
         )
     return "\n".join(lines)
 
 
+def plot(task: str, results: list[dict], out: Path) -> None:
+    """`out` (PNG): the held-out score by iteration and by rollout tokens (median over seeds, the range shaded) and
+    the critics' EV against Monte-Carlo values of the moving actor, a line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_tokens, ev) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for name in METHODS:
+        rows = [r for r in results if r["name"] == name]
+        if not rows:
+            continue
+        steps = [c[0] for c in rows[0]["curve"]]
+        scores = [[r["curve"][k][2] for r in rows] for k in range(len(steps))]
+        tokens = [statistics.median(r["curve"][k][1] for r in rows) / 1000 for k in range(len(steps))]
+        mid = [statistics.median(s) for s in scores]
+        line = by_step.plot(steps, mid, label=f"{name} ({len(rows)} seeds)")[0]
+        by_step.fill_between(
+            steps, [min(s) for s in scores], [max(s) for s in scores], alpha=0.15, color=line.get_color()
+        )
+        by_tokens.plot(tokens, mid, color=line.get_color())
+        if rows[0]["probes"]:
+            at = [p["step"] for p in rows[0]["probes"]]
+            ev.plot(at, [statistics.median(r["probes"][k]["ev"] for r in rows) for k in range(len(at))], "o-",
+                    color=line.get_color(), label=name)  # fmt: skip
+    target = ACTOR_TASKS[task].target
+    for axis, x in ((by_step, "iteration"), (by_tokens, "rollout tokens (thousands)")):
+        axis.axhline(target, color="grey", linestyle=":")
+        axis.set(xlabel=x, ylabel="held-out score (mean of one response per prompt)")
+    ev.set(xlabel="iteration", ylabel="critic EV vs Monte-Carlo values of the actor", ylim=(-0.5, 1.0))
+    by_step.legend(fontsize=8)
+    fig.suptitle(f"PPO on {task}: the actor's score with each critic (median over seeds, range shaded)")
+    fig.tight_layout()
+    write_with(out, lambda f: fig.savefig(f, format="png", dpi=90))
+    plt.close(fig)
+
+
 def report(results: Path = RESULTS) -> str:
-    """A table per task of the result files in `results`."""
+    """A table per task of the result files in `results` (and its curves, `<task>.png` beside them)."""
     parts = []
     for path in sorted(results.glob("*.json")):
-        task = path.stem
-        parts += [f"### {task} (target score {ACTOR_TASKS[task].target})", "", table(task, load(path)), ""]
+        task, runs = path.stem, load(path)
+        plot(task, runs, path.with_suffix(".png"))
+        spec = ACTOR_TASKS[task]
+        setting = f"actor lr {runs[0]['actor_lr']:g}, {runs[0]['batch']} responses per iteration, λ {runs[0]['lam']:g}"
+        title = f"### {task}: target score {spec.target} ({setting}; curves: `{path.with_suffix('.png').name}`)"
+        parts += [title, "", table(task, runs), ""]
     return "\n".join(parts)
 
 
@@ -487,14 +551,16 @@ def main() -> None:
     p.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--iterations", type=int, default=LoopConfig.iterations)
-    p.add_argument("--actor-lr", type=float, default=LoopConfig.actor_lr)
+    p.add_argument("--actor-lr", type=float, default=None, help="the actor's rate (default: the task's)")
     p.add_argument("--batch", type=int, default=LoopConfig.batch, help="responses per iteration")
     p.add_argument("--lam", type=float, default=LoopConfig.lam, help="the actor's GAE λ")
     p.add_argument("--results", type=Path, default=RESULTS, help="the folder of the result files (screens: another)")
-    p.add_argument("--report", action="store_true", help="only print the tables of the result files")
+    p.add_argument("--report", action="store_true", help="only the tables and curves (docs/QUALITY.md with --write)")
+    p.add_argument("--write", action="store_true", help="with --report: replace the tables in docs/QUALITY.md")
     args = p.parse_args()
     if args.report:
-        print(report(args.results))
+        text = report(args.results)
+        _ablation().write_report(text, BEGIN, END) if args.write else print(text)
         return
     torch.set_num_threads(1)
     args.results.mkdir(parents=True, exist_ok=True)
@@ -503,14 +569,9 @@ def main() -> None:
         path = args.results / f"{task}.json"
         for seed in args.seeds:
             for name in args.methods:
-                options = {
-                    "iterations": args.iterations,
-                    "actor_lr": args.actor_lr,
-                    "batch": args.batch,
-                    **METHODS[name],
-                }
-                options["lam"] = args.lam
-                cfg = LoopConfig(task=task, seed=seed, **options)
+                lr = args.actor_lr or ACTOR_TASKS[task].actor_lr
+                options = {"iterations": args.iterations, "actor_lr": lr, "batch": args.batch, "lam": args.lam}
+                cfg = LoopConfig(task=task, seed=seed, **options, **METHODS[name])
                 if any(r["name"] == name and same_config(r, cfg) for r in load(path)):
                     continue
                 result = {"name": name, **run(cfg)}
@@ -520,7 +581,6 @@ def main() -> None:
                     f"{result['final_score']:.3f} {result['wall_s_per_iteration']:.2f} s/it",
                     flush=True,
                 )
-        print(report(args.results))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ them, the critic is called as verl calls it, and the Monte-Carlo values are the 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -97,16 +98,25 @@ def test_the_policy_loss_clips_the_ratio_and_caps_a_negative_advantage_at_clip_c
     assert loop.policy_loss(small_ratio, old, -torch.ones(1, 1), mask, cfg, None).item() == pytest.approx(0.8)
 
 
-@pytest.mark.parametrize("method, group", [("grpo", 4), ("mc", 1)])
-def test_a_short_run_of_each_critic_free_method_records_its_curve(loop, method, group):
-    result = loop.run(small(loop, method=method, group=group, iterations=2, eval_every=1, mc_samples=2))
-    assert [step for step, _, _ in result["curve"]] == [0, 1, 2]
-    assert result["curve"][2][1] > result["curve"][1][1] > 0  # rollout tokens accumulate
-    assert result["probes"] == [] and result["critic_s_per_iteration"] == 0.0
+def test_short_runs_of_the_critic_free_methods_record_their_curves_and_the_report_tabulates_and_draws_them(
+    loop, tmp_path
+):
+    runs = []
+    for name, method, group in (("grpo_n4", "grpo", 4), ("mc", "mc", 1)):
+        result = loop.run(small(loop, method=method, group=group, iterations=2, eval_every=1, mc_samples=2))
+        assert [step for step, _, _ in result["curve"]] == [0, 1, 2]
+        assert result["curve"][2][1] > result["curve"][1][1] > 0  # rollout tokens accumulate
+        assert result["probes"] == [] and result["critic_s_per_iteration"] == 0.0
+        runs.append({"name": name, **result})
+    (tmp_path / "counting.json").write_text(json.dumps({"meta": {}, "results": runs}))
+    text = loop.report(tmp_path)
+    assert "### counting: target score 0.8 (actor lr 0.001, 16 responses per iteration" in text
+    assert "| grpo_n4 | 1 | " in text and "| mc | 1 | " in text and "| reinforce |" not in text
+    assert (tmp_path / "counting.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_critic_run_probes_the_critic_against_monte_carlo_values_and_times_it(loop):
     result = loop.run(small(loop, method="critic:batch_alpha0.5_lr5e-4", iterations=2, eval_every=2, probe_every=2))
     assert [p["step"] for p in result["probes"]] == [1, 2]
-    assert all(p["target_var"] > 0 and p["mse"] >= 0 for p in result["probes"])
+    assert all(p["target_var"] > 0 and p["mse"] >= 0 and p["mc_noise"] >= 0 for p in result["probes"])
     assert 0 < result["critic_s_per_iteration"] < result["wall_s_per_iteration"]
