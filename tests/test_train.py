@@ -423,3 +423,12 @@ def test_rows_changed_between_resumes_are_refused_where_the_held_out_split_depen
     out = io.StringIO()
     train(short_config(kept, f"data={data}", f"trainer.eval_data={other}", "trainer.steps=6"), out=out)
     assert f"note: data={data} changed since the checkpoint (16 rows then, 20 now); training goes on" in out.getvalue()
+
+
+def test_a_run_dir_that_is_a_dangling_symlink_is_named_so(tmp_path):
+    """Issue 43 family 8: the error was "[Errno 17] cannot create the run directory ...: File exists"."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"trainer.run_dir=.*link is a symlink to .*missing, which does not exist"):
+        train(short_config(link), out=io.StringIO())
+    assert link.is_symlink() and not (tmp_path / "missing").exists()

@@ -37,3 +37,11 @@ def test_a_path_with_whitespace_at_an_end_is_refused_not_trimmed_in_silence(opti
     with pytest.raises(ValueError, match=rf"^{re.escape(key)}=.* has whitespace at an end"):
         load_config(None, [option])
     assert load_config(None, ["critic.optim.lr= 1e-3"]).critic.optim.lr == 1e-3  # a number: nothing lost
+
+
+def test_a_config_file_nested_thousands_deep_is_named_not_a_recursion_error(tmp_path):
+    """Issue 43 family 8 (a regression): a --config nested 5000 deep raised RecursionError with a traceback."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "{b: " * 5000 + "1" + "}" * 5000 + "\n")
+    with pytest.raises(ValueError, match=r"deep.yaml nests too deeply to read"):
+        read_yaml_options(deep)

@@ -370,3 +370,18 @@ def test_a_model_that_embeds_no_token_ids_is_refused_naming_vocab_size(vocab):
     """Issue 43 family 10: vocab_size=0 built a model no batch could enter."""
     with pytest.raises(ValueError, match=rf"vocab_size={vocab} must be a positive integer"):
         build_value_model(tiny_config(), override_config={"vocab_size": vocab})
+
+
+def test_a_file_given_as_the_model_path_is_named_a_file(tmp_path):
+    """Issue 43 family 8: a README given as the model was called "a local directory without a valid config.json"."""
+    readme = tmp_path / "README.md"
+    readme.write_text("hello\n")
+    with pytest.raises(FileNotFoundError, match=r"model path '.*README.md' is a file, not a model directory"):
+        build_value_model(readme)
+
+
+def test_a_module_that_reads_no_token_ids_is_refused_as_the_critics_model():
+    """Issue 43 family 8: an nn.Linear failed inside its forward ("unexpected keyword argument 'input_ids'")."""
+    linear = nn.Linear(4, 1)
+    with pytest.raises(TypeError, match=r"critic_module is a Linear, whose forward takes no input_ids"):
+        DataParallelPPOCritic({"ppo_mini_batch_size": 4}, linear, torch.optim.SGD(linear.parameters(), lr=0.1))

@@ -772,3 +772,22 @@ def test_a_pipe_or_a_device_is_refused_before_it_is_opened(tmp_path):
     for path in (fifo, zero):
         with pytest.raises(ValueError, match="is not a regular file"):
             read_rollouts(path)
+
+
+def test_rows_too_deep_or_with_an_unreadable_integer_and_doubled_parquet_columns_are_named(tmp_path):
+    """Issue 43 family 8: a row nested thousands deep (RecursionError), a 4400-digit integer (Python's message, no
+    row), a Parquet file with a column twice (KeyError): each is now one line naming the file, the row and the fix."""
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text('{"prompt_ids": [1, 2], "response_ids": [3], "reward": ' + "[" * 5000 + "1" + "]" * 5000 + "}\n")
+    with pytest.raises(ValueError, match=r"deep.jsonl: row 1: nests too deeply to read"):
+        read_rollouts(deep)
+    huge = tmp_path / "huge.jsonl"
+    good = '{"prompt_ids": [1, 2], "response_ids": [3], "reward": 1.0}\n'
+    huge.write_text(good + '{"prompt_ids": [1, ' + "9" * 4400 + '], "response_ids": [3], "reward": 1.0}\n')
+    with pytest.raises(ValueError, match=r"huge.jsonl: row 2: holds an integer too long to read \(4400 digits\)"):
+        read_rollouts(huge)
+    doubled = tmp_path / "dup.parquet"
+    columns = [pa.array([[1, 2]]), pa.array([[3]]), pa.array([1.0]), pa.array([2.0])]
+    pq.write_table(pa.table(columns, names=["prompt_ids", "response_ids", "reward", "reward"]), doubled)
+    with pytest.raises(ValueError, match=r"dup.parquet: column\(s\) \['reward'\] appear more than once"):
+        read_rollouts(doubled)

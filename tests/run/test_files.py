@@ -265,3 +265,13 @@ def test_an_interrupt_during_a_deferred_block_arrives_after_it_and_a_second_one_
         signal.raise_signal(signal.SIGINT)  # the user insists
         finished.append("never")
     assert finished == ["the write"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_directory_with_a_long_name_is_moved_aside_under_a_name_the_file_system_takes(tmp_path):
+    """Issue 43 family 8: `<name>.old-<time>` passed the 255-byte limit on a name (ENAMETOOLONG) for a long name."""
+    long = tmp_path / ("x" * 250)
+    long.mkdir()
+    (long / "kept").write_text("data")
+    aside = move_aside(long)
+    assert not long.exists() and (aside / "kept").read_text() == "data"
+    assert len(aside.name.encode()) <= 255 and ".old-" in aside.name and aside.name.startswith("x" * 200)

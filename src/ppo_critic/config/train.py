@@ -391,6 +391,8 @@ def read_yaml_options(path: Path) -> dict:
         raise ValueError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or _one_line(err)})") from err
     except OmegaConfBaseException as err:
         raise ValueError(f"{path}: {_one_line(err)}") from err
+    except RecursionError:
+        raise ValueError(f"{path} nests too deeply to read (thousands of levels); options nest a few levels") from None
     return nested_keys(OmegaConf.to_container(node), str(path))
 
 

@@ -340,6 +340,11 @@ def _hf_config(model: Any, trust_remote_code: bool):
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
     if isinstance(model, str | os.PathLike):
         path = os.fspath(model)
+        if os.path.isfile(path):
+            raise FileNotFoundError(
+                f"model path {path!r} is a file, not a model directory; give the directory holding its config.json "
+                "(and weights)"
+            )
         try:
             return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as err:

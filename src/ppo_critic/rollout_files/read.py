@@ -19,6 +19,7 @@ import json
 import math
 import numbers
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -150,6 +151,12 @@ def _decode_json_line(line: bytes) -> Any:
         raise _RowError(f"is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise _RowError(f"is not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise _RowError("nests too deeply to read (thousands of brackets); a rollout row is flat") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        digits = re.search(r"has (\d+) digits", str(e))
+        size = f" ({digits.group(1)} digits)" if digits else ""
+        raise _RowError(f"holds an integer too long to read{size}; token ids and rewards are small numbers") from None
 
 
 def _identity(row: Any) -> Any:
@@ -185,6 +192,9 @@ def _check_parquet_schema(path: str, schema: Any) -> list[str]:
     import pyarrow as pa
 
     names = schema.names
+    doubled = sorted({c for c in names if names.count(c) > 1})
+    if doubled:
+        raise ValueError(f"{path}: column(s) {doubled} appear more than once; write each column once")
     alternatives = [*_SIDES, REWARD_FIELDS]
     missing = ["' or '".join(fields) for fields in alternatives if not any(c in names for c in fields)]
     if missing:

@@ -156,13 +156,21 @@ def move_aside(path: str | os.PathLike) -> Path:
     """Rename `path` to a free sibling `<name>.old-<time>` (nothing is deleted); returns the new name."""
     path = Path(path)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = path.with_name(f"{path.name}.old-{stamp}")
+    target = path.with_name(_sibling_name(path, f".old-{stamp}"))
     while target.exists():
-        target = path.with_name(f"{path.name}.old-{stamp}-{secrets.token_hex(2)}")
+        target = path.with_name(_sibling_name(path, f".old-{stamp}-{secrets.token_hex(2)}"))
     with explained_os_error(f"cannot move {path} aside"):
         os.rename(path, target)
         fsync_dir(path.parent)
     return target
+
+
+def _sibling_name(path: Path, suffix: str, limit: int = 255) -> str:
+    """`<name><suffix>`, the name cut short where the whole would pass the file system's limit on a name (255 bytes
+    on most): a run directory with a long name can still be moved aside."""
+    room = limit - len(suffix.encode())
+    name = path.name.encode()[:room].decode(errors="ignore")
+    return f"{name}{suffix}"
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -87,6 +87,11 @@ def agree(lead: bool, action: Callable[[], T], share: bool = False) -> T | None:
 def claim(run_dir: Path, resume: str, overwrite: bool, say: Callable[[str], None]) -> RunDirLock:
     """Lock `run_dir` for this run. A new run (`resume=never`) does not start over an existing one: that is an
     error, or with `overwrite` the old run is moved aside (renamed, never deleted)."""
+    if run_dir.is_symlink() and not run_dir.exists():
+        raise ValueError(
+            f"trainer.run_dir={run_dir} is a symlink to {os.readlink(run_dir)}, which does not exist; create the "
+            "directory it names, or give another trainer.run_dir"
+        )
     lock = RunDirLock(run_dir).acquire()
     if resume != "never" or not holds_a_run(run_dir):
         return lock

@@ -100,6 +100,7 @@ class DataParallelPPOCritic(PPOCriticBase):
                 f"sp={layout.sp}; build the layout with ppo_critic.parallel.layout.layout_of(config)"
             )
         self.config, self.sizes, self.layout = config, sizes, layout
+        check_takes_tokens(critic_module)
         check_ranks_agree(
             {"critic": config.to_dict(), "model": model_signature(critic_module)},
             "the critic's ranks hold different settings",
@@ -373,3 +374,18 @@ def model_signature(module: nn.Module) -> dict[str, Any]:
     return {
         "config": hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
     }
+
+
+def check_takes_tokens(module: nn.Module) -> None:
+    """The critic's module reads token ids (a transformers model, a `build_value_model` critic, or a TRL-style
+    `v_head` module): anything else (an `nn.Linear`) is refused here rather than failing inside its forward."""
+    import inspect
+
+    inner = unwrap(module)
+    parameters = inspect.signature(inner.forward).parameters
+    takes = "input_ids" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    if not takes:
+        raise TypeError(
+            f"critic_module is a {type(inner).__name__}, whose forward takes no input_ids; give a value model "
+            "(ppo_critic.build_value_model), a transformers model with a value head, or a module with a TRL v_head"
+        )
