@@ -3,7 +3,9 @@
 200 commands (by default) drawn at random: `train` (resuming, with options that may or may not change mid-run, new
 runs with and without `--overwrite`), `export` and `values` (to fresh paths, existing ones, with `--force`, into the
 run directory, over their own input; padded or packed), a `train` killed with SIGKILL, SIGTERM or SIGINT (Ctrl-C) at
-a random moment, a second writer while one trains, and a `train` on a disk that fills up. Cross-run commands aim at
+a random moment (and SIGTERM while it saves a checkpoint every step: the clean exit 2 is promised), a second writer
+while one trains, two `values` or `export`s started together to one new output (one result, whole, no temporaries),
+and a `train` on a disk that fills up. Cross-run commands aim at
 a second run beside the first (`other/`): exports, values and new runs into it, inside its checkpoints and `hf/`,
 over the directory holding both, `""` and `.`; and `other/` itself resumed. Every command must end with exit code 0
 or 2 (never a traceback), and leave every run directory but its own (`train`'s) file for file as it was; after each,
@@ -71,6 +73,9 @@ KINDS = {
     "cross-values": 25,
     "cross-train": 25,
     "other-resume": 4,
+    "same-values": 8,
+    "same-export": 6,
+    "kill-in-save": 10,
 }
 CROSS = ("cross-export", "cross-values", "cross-train")
 ROW = {"prompt_ids": [1, 2], "response_ids": [3, 4, 5], "reward": 1.0}
@@ -178,6 +183,41 @@ class Soak:
             os.kill(first, signal.SIGKILL)
         outcome(first)
 
+    def same_target(self, kind: str) -> None:
+        """Two `values` (or `export`s) started together with one new output: each ends 0 or 2, exactly one result
+        is there and whole, and no temporary is left beside it."""
+        target = self.root / f"same-{self.rng.randint(0, 10**9)}"
+        if kind == "same-values":
+            target = target.with_suffix(".jsonl")
+            argv = ["values", str(self.run), f"data={self.data}", f"out={target}"]
+        else:
+            argv = ["export", str(self.run), str(target)]
+        pids = [fork(argv, self.root / f"{kind}-{n}.log") for n in range(2)]
+        results = [outcome(pid) for pid in pids]
+        for result in results:
+            self.outcomes[(kind, result)] += 1
+        exported = (target / "config.json").is_file() if kind == "same-export" else target.is_file()
+        whole = exported and (kind == "same-export" or json.loads(target.read_text().splitlines()[0]))
+        leftovers = [p.name for p in self.root.iterdir() if p.name.startswith(".") and target.name in p.name]
+        if any(r not in ("exit 0", "exit 2") for r in results) or results.count("exit 0") != 1 or not whole:
+            self.violations.append(f"{kind}: {results}, output whole: {bool(whole)}")
+        if leftovers:
+            self.violations.append(f"{kind}: temporaries left beside {target.name}: {leftovers}")
+
+    def kill_in_save(self) -> None:
+        """SIGTERM while `train` saves a checkpoint every step (so the signal often lands inside a write): the
+        promised clean end is exit 2 with "resume from" (or exit 0 when it finished first), never a traceback."""
+        self.steps += self.rng.randint(3, 8)
+        pid = fork(self.train_argv("trainer.save_every=1"), self.log)
+        time.sleep(self.rng.uniform(1.0, 4.0))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        result = outcome(pid)
+        self.outcomes[("kill-in-save", result)] += 1
+        text = self.log.read_text()
+        if result not in ("exit 0", "exit 2") or (result == "exit 2" and "resume from" not in text):
+            self.violations.append(f"kill-in-save ended with {result}: {text[-1500:]}")
+
     def full_disk(self) -> None:
         filler = self.root / "filler"
         free = os.statvfs(self.root).f_bavail * os.statvfs(self.root).f_frsize
@@ -223,6 +263,10 @@ class Soak:
             self.second_writer()
         elif kind in CROSS:
             self.cross(kind)
+        elif kind in ("same-values", "same-export"):
+            self.same_target(kind)
+        elif kind == "kill-in-save":
+            self.kill_in_save()
         elif kind == "other-resume":
             self.other_steps += self.rng.randint(0, 2)
             self.command(kind, self.other_argv(), own=self.other)
@@ -256,6 +300,9 @@ class Soak:
         if [r["step"] for r in rows] != list(range(1, final + 1)):
             self.violations.append(f"metrics.jsonl steps {[r['step'] for r in rows]} != 1..{final}")
         self.check()
+        leftovers = [p.name for p in (self.run / "checkpoints").iterdir() if p.name.startswith(".")]
+        if leftovers:
+            self.violations.append(f"temporaries left in checkpoints/ after the final train: {leftovers}")
         return {"final_step": final, "checkpoints": [p.name for p in complete_checkpoints(self.run / "checkpoints")]}
 
 

@@ -142,6 +142,23 @@ def test_export_loads_the_newest_checkpoint_again_when_a_run_beside_it_removes_t
     assert f"exported step 2 of {run}" in text
 
 
+def test_an_interrupt_before_training_starts_says_where_the_same_command_resumes(run, capsys, monkeypatch):
+    """Issue 43 family 3 (found by the soak's kills in checkpoint writes): SIGTERM while the model was being built
+    ended "interrupted; nothing partial was written", without the promised "resume from"."""
+    import ppo_critic.train
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # what SIGTERM becomes, landing while the model is built
+
+    monkeypatch.setattr(ppo_critic.train, "make_worker", interrupted)
+    before = tree(run)
+    code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={run}", "trainer.steps=6"], capsys)
+    newest = run / "checkpoints" / "step_00000004"
+    assert code == 2 and "interrupted before training started; nothing was written" in text
+    assert f"Run the same command to resume from the newest checkpoint ({newest})" in text
+    assert tree(run) == before
+
+
 def test_a_new_run_never_starts_over_an_old_one(run, capsys):
     before = tree(run)
     argv = ["train", *RUN_ARGS, f"trainer.run_dir={run}", "trainer.resume=never"]

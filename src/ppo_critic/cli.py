@@ -183,7 +183,20 @@ def _train(args: argparse.Namespace) -> int:
         train(cfg, overwrite=args.overwrite)  # the trainer reports (on rank 0)
     except Interrupted as err:
         _fail(args.subparser, str(err))
+    except KeyboardInterrupt:  # before training started (reading the rollouts, building the model)
+        _fail(args.subparser, f"interrupted before training started; nothing was written. {_rerun(cfg)}")
     return 0
+
+
+def _rerun(cfg: TrainConfig) -> str:
+    """What the same command does after an interrupt: resume from the run's newest checkpoint, or start."""
+    from ppo_critic.run.checkpoint import latest_checkpoint
+
+    resume = cfg.trainer.resume
+    if resume not in ("auto", "never"):
+        return f"Run the same command to resume from {resume}"
+    newest = latest_checkpoint(Path(cfg.trainer.run_dir) / "checkpoints") if resume == "auto" else None
+    return f"Run the same command to resume from {f'the newest checkpoint ({newest})' if newest else 'the start'}"
 
 
 def _bench(args: argparse.Namespace) -> int:
