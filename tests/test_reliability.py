@@ -291,14 +291,14 @@ def test_token_id_beyond_the_vocabulary_is_rejected_before_any_step(warm_critic)
 
 def test_missing_model_path(tmp_path):
     missing = tmp_path / "no-such-model"
-    message = f"model path '{missing}' is a path that does not exist"
+    message = f"model path '{missing}' does not exist, nor is it a model id in the Hugging Face cache"
     rejects(lambda: CriticWorker({**CRITIC, "model": {"path": str(missing)}}), FileNotFoundError, message)
     assert not missing.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_model_directory_without_a_config(tmp_path):
     (tmp_path / "model").mkdir()
-    message = f"model path '{tmp_path / 'model'}' is a local directory without a valid config.json"
+    message = f"model path '{tmp_path / 'model'}' holds no config.json"
     rejects(lambda: build_value_model(tmp_path / "model"), FileNotFoundError, message)
     assert list((tmp_path / "model").iterdir()) == []
 
@@ -391,7 +391,7 @@ def _cli_cases(run: Path, tmp: Path) -> dict[str, tuple[list[str], str, bool]]:
         ),
         "model-path-missing": (
             ["train", *short, f"critic.model.path={tmp / 'no-model'}"],
-            f"model path '{tmp / 'no-model'}' is a path that does not exist",
+            f"model path '{tmp / 'no-model'}' does not exist, nor is it a model id in the Hugging Face cache",
             True,
         ),
         "rollout-file-missing": (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -385,3 +386,21 @@ def test_a_module_that_reads_no_token_ids_is_refused_as_the_critics_model():
     linear = nn.Linear(4, 1)
     with pytest.raises(TypeError, match=r"critic_module is a Linear, whose forward takes no input_ids"):
         DataParallelPPOCritic({"ppo_mini_batch_size": 4}, linear, torch.optim.SGD(linear.parameters(), lr=0.1))
+
+
+def test_weights_that_do_not_match_their_config_are_named_with_their_sizes(tmp_path):
+    """Issue 43 family 8: an HF config that disagrees with its weights raised transformers' RuntimeError pointing at
+    a report it had not shown ("look at the above report")."""
+    from transformers import AutoModelForTokenClassification, Qwen2Config
+
+    from conftest import TINY
+
+    model = tmp_path / "model"
+    AutoModelForTokenClassification.from_config(Qwen2Config(**TINY, num_labels=1)).save_pretrained(model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
+    size = config["hidden_size"]
+    with pytest.raises(
+        ValueError, match=rf"do not match its config.json \(.*: \[{size}\] in the weights, \[{2 * size}\]"
+    ):
+        build_value_model(model)

@@ -791,3 +791,21 @@ def test_rows_too_deep_or_with_an_unreadable_integer_and_doubled_parquet_columns
     pq.write_table(pa.table(columns, names=["prompt_ids", "response_ids", "reward", "reward"]), doubled)
     with pytest.raises(ValueError, match=r"dup.parquet: column\(s\) \['reward'\] appear more than once"):
         read_rollouts(doubled)
+
+
+def test_a_parquet_file_whose_pages_cannot_be_decoded_is_named_with_the_row_reached(tmp_path, monkeypatch):
+    """Issue 43 family 8: a compressed Parquet file whose codec pyarrow lacks raised pyarrow's error without the
+    file. Made here by a reader that fails as such a build does, after the first batch."""
+    path = tmp_path / "rows.parquet"
+    rows = [{"prompt_ids": [1, 2], "response_ids": [3], "reward": 1.0}] * 4
+    pq.write_table(pa.Table.from_pylist(rows), path, compression="zstd", row_group_size=2)
+    original = pq.ParquetFile.iter_batches
+
+    def lacking_codec(self, *args, **kwargs):
+        batches = original(self, *args, **{**kwargs, "batch_size": 2})
+        yield next(batches)
+        raise pa.ArrowNotImplementedError("Support for codec 'zstd' not built")
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", lacking_codec)
+    with pytest.raises(ValueError, match=r"rows.parquet: cannot read its rows after row 2 \(Support for codec 'zstd'"):
+        read_rollouts(path)

@@ -116,7 +116,7 @@ def build_value_model(
     auto_cls = _auto_class(config, head)
     param_dtype = _dtype(dtype, "dtype") or torch.float32
     if path is not None and _has_weights(path) and reward_model is None:
-        with quiet_load_report():
+        with quiet_load_report(), named_mismatches(path, config, auto_cls):
             built, info = auto_cls.from_pretrained(
                 path, config=config, dtype=param_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
             )
@@ -345,13 +345,17 @@ def _hf_config(model: Any, trust_remote_code: bool):
                 f"model path {path!r} is a file, not a model directory; give the directory holding its config.json "
                 "(and weights)"
             )
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"model path {path!r} holds no config.json; give a transformers model directory")
         try:
             return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as err:
-            where = (
-                "local directory without a valid config.json" if os.path.exists(path) else "path that does not exist"
-            )
-            raise FileNotFoundError(f"model path {path!r} is a {where}: {err}") from err
+            if not os.path.exists(path):  # not a hub id in the cache either; transformers' text names the hub
+                raise FileNotFoundError(
+                    f"model path {path!r} does not exist, nor is it a model id in the Hugging Face cache; give a "
+                    "local model directory"
+                ) from err
+            raise FileNotFoundError(f"model path {path!r} has a config.json transformers cannot read: {err}") from err
     raise TypeError(
         f"build_value_model takes a transformers config, a dict, a path or a module, got {type(model).__name__}"
     )
@@ -414,6 +418,42 @@ def _listed_names(path: str) -> list[str] | None:
         with safe_open(os.path.join(path, name), framework="pt") as weights:
             names += list(weights.keys())
     return names
+
+
+@contextlib.contextmanager
+def named_mismatches(path: str, config: Any, auto_cls: Any) -> Iterator[None]:
+    """transformers' refusal of weights whose sizes differ from the config ("ignore_mismatched_sizes", its report
+    silenced) as a ValueError naming the tensors, their sizes in the file and by config.json, and the fix."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "mismatched" not in str(err):
+            raise
+        found = _mismatches(path, config, auto_cls)
+        listed = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ValueError(
+            f"the weights in {path} do not match its config.json ({listed or 'sizes differ'}): give the config.json "
+            "they were saved with"
+        ) from err
+
+
+def _mismatches(path: str, config: Any, auto_cls: Any) -> list[str]:
+    """`name: [file sizes] in the weights, [sizes] by config.json` for every tensor whose sizes differ (names matched
+    as written or under a wrapper's prefix, e.g. `model.`)."""
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        expected = {k: list(v.shape) for k, v in auto_cls.from_config(config).state_dict().items()}
+    found = []
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors") and f != VALUE_HEAD_FILE):
+        with safe_open(os.path.join(path, name), framework="pt") as weights:
+            names = weights.keys()  # a safetensors handle is not iterable
+            for key in names:
+                shape = list(weights.get_slice(key).get_shape())
+                want = expected.get(key) or next((v for k, v in expected.items() if k.endswith("." + key)), None)
+                if want is not None and want != shape:
+                    found.append(f"{key}: {shape} in the weights, {want} by config.json")
+    return found
 
 
 def _has_weights(path: str) -> bool:

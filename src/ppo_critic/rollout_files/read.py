@@ -172,7 +172,14 @@ def _iter_parquet(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
     with file:
         columns = _check_parquet_schema(path, file.schema_arrow)
         number = 0
-        for record_batch in file.iter_batches(columns=columns):
+        batches = file.iter_batches(columns=columns)
+        while True:
+            try:
+                record_batch = next(batches, None)
+            except Exception as e:  # a codec pyarrow was built without, a damaged page
+                raise ValueError(f"{path}: cannot read its rows after row {number} ({_one_line(e)})") from e
+            if record_batch is None:
+                return
             for row in record_batch.to_pylist():
                 number += 1
                 yield number, row
@@ -523,3 +530,8 @@ def _load_tokenizer(directory: str) -> Any:
             f"could not load a tokenizer from {directory} ({type(e).__name__}: {e}); rollout rows with text need "
             "critic.model.tokenizer_path=DIR to name a directory holding tokenizer.json / tokenizer_config.json"
         ) from e
+
+
+def _one_line(err: Exception) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(err).split())
