@@ -180,3 +180,16 @@ def tiny_qwen2():
         return build_value_model(tiny_config("qwen2"), **kwargs)
 
     return build
+
+
+def bench_script(relative: str):
+    """A script of bench/ (`"ablation.py"`, `"gpu/harness.py"`) freshly imported as a module named after its file
+    (registered in sys.modules: its dataclasses look their module up there)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module

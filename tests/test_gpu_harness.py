@@ -4,7 +4,6 @@ bench/gpu/harness.py's wheel list, carry budget and table rows do what the scrip
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -16,17 +15,15 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
+from conftest import bench_script
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "bench" / "gpu" / "run.sh"
 STEPS = ("env", "tests", "train", "bench", "compile", "verl")
 
 
 def _harness():
-    spec = importlib.util.spec_from_file_location("gpu_harness", ROOT / "bench" / "gpu" / "harness.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("gpu/harness.py")
 
 
 harness = _harness()

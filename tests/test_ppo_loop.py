@@ -3,25 +3,18 @@ them, the critic is called as verl calls it, and the Monte-Carlo values are the 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import bench_script
 from ppo_critic.tasks import CountingTask, CountingTaskConfig
 
 
 @pytest.fixture(scope="module")
 def loop():
-    path = Path(__file__).resolve().parents[1] / "bench" / "ppo_loop.py"
-    spec = importlib.util.spec_from_file_location("ppo_loop", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ppo_loop"] = module  # its dataclasses resolve annotations through their module
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("ppo_loop.py")
 
 
 def small(loop, **options):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import exported_values, make_batch, tiny_config
+from conftest import bench_script, exported_values, make_batch, tiny_config
 from cuda_contract import FSDP2_POINTS, ContractError, check_collective_devices
 from ppo_critic import CriticConfig, DataParallelPPOCritic
 from ppo_critic.parallel.mesh import BACKEND_CUDA
@@ -259,16 +259,7 @@ def test_megatron_names_the_quality_options_it_does_not_support():
 
 
 def _ablation():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "ablation.py"
-    spec = importlib.util.spec_from_file_location("ablation", path)
-    ablation = importlib.util.module_from_spec(spec)
-    sys.modules["ablation"] = ablation  # its dataclass resolves annotations through its module
-    spec.loader.exec_module(ablation)
-    return ablation
+    return bench_script("ablation.py")
 
 
 def test_the_ablation_script_runs_configurations_and_tabulates_them():
@@ -441,16 +432,7 @@ def test_ablations_side_by_side_on_one_task_keep_each_others_runs(tmp_path):
 
 
 def _screens():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "screen_levers.py"
-    spec = importlib.util.spec_from_file_location("screen_levers", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["screen_levers"] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("screen_levers.py")
 
 
 def test_the_hl_gauss_screen_targets_a_smoothed_histogram_whose_mean_is_the_return():

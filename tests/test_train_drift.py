@@ -3,18 +3,15 @@ evaluation set from the policy of each evaluation's step, the tracking metrics, 
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import without_timings
+from conftest import bench_script, without_timings
 from ppo_critic import train as train_mod
 from ppo_critic.cli import load_config
 from ppo_critic.train import TaskSource, tracking_metrics, train
@@ -121,11 +118,7 @@ def test_resume_in_the_middle_of_a_ramp_is_the_uninterrupted_run(tmp_path, monke
 
 def test_the_drift_bench_measures_the_three_critics_and_tabulates_them():
     """bench/drift.py on a tiny budget: ablation's configurations under a step, tracking metrics, one row each."""
-    path = Path(__file__).resolve().parents[1] / "bench" / "drift.py"
-    spec = importlib.util.spec_from_file_location("drift_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["drift_bench"] = bench
-    spec.loader.exec_module(bench)
+    bench = bench_script("drift.py")
     tiny = [s for s in SHORT if s.startswith(("critic.", "trainer.rollout", "trainer.eval_size"))]
     overrides = [*bench.schedule("step", 2, 1, "0.6"), *tiny]
     runs = {

@@ -3,14 +3,10 @@ huber are `compute_value_loss`; an objective of several outputs per token trains
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from conftest import make_batch
+from conftest import bench_script, make_batch
 from ppo_critic import DataParallelPPOCritic
 from ppo_critic.algos import LOSS_AGG_MODES, compute_value_loss
 from ppo_critic.config.critic import CriticConfig
@@ -32,12 +28,7 @@ def forget_registrations():
 
 
 def _screens():
-    path = Path(__file__).resolve().parents[3] / "bench" / "screen_levers.py"
-    spec = importlib.util.spec_from_file_location("screen_levers", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["screen_levers"] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("screen_levers.py")
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
