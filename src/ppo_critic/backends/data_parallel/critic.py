@@ -100,7 +100,6 @@ class DataParallelPPOCritic(PPOCriticBase):
                 f"sp={layout.sp}; build the layout with ppo_critic.parallel.layout.layout_of(config)"
             )
         self.config, self.sizes, self.layout = config, sizes, layout
-        check_takes_tokens(critic_module)
         check_ranks_agree(
             {"critic": config.to_dict(), "model": model_signature(critic_module)},
             "the critic's ranks hold different settings",
@@ -124,6 +123,7 @@ class DataParallelPPOCritic(PPOCriticBase):
             self.ema = ParameterEMA(critic_module, self.config.ema_decay, self.config.ema_warmup, masters)
         self._use_objective()
         self._check_head()
+        check_takes_tokens(critic_module)  # after the config's checks: they name the option to fix first
         inner = unwrap(critic_module)  # DDP / FSDP1 / peft
         hf_config = getattr(inner, "config", None)
         shape = ModelShape.from_hf(hf_config) if hf_config is not None else None
