@@ -442,6 +442,9 @@ METHODS = {  # name -> LoopConfig overrides
     "reinforce": {"method": "reinforce"},
     "mc": {"method": "mc"},
 }
+LEVERS = {  # the default recipe with one lever changed (bench/ablation.py's names): screened with --methods
+    f"ppo-critic_{lever}": {"method": f"{DEFAULT_CRITIC}_{lever}"} for lever in ("nonorm", "noema", "nonorm_noema")
+}
 
 
 def same_config(result: dict, cfg: LoopConfig) -> bool:
@@ -472,7 +475,7 @@ def table(task: str, results: list[dict]) -> str:
         "critic EV / MSE vs MC (its variance, its noise) | s/iteration (critic) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name in METHODS:
+    for name in [*METHODS, *LEVERS]:
         rows = sorted((r for r in results if r["name"] == name), key=lambda r: r["seed"])
         if not rows:
             continue
@@ -505,7 +508,7 @@ def plot(task: str, results: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_tokens, ev) = plt.subplots(1, 3, figsize=(16, 4.5))
-    for name in METHODS:
+    for name in [*METHODS, *LEVERS]:
         rows = [r for r in results if r["name"] == name]
         if not rows:
             continue
@@ -550,7 +553,7 @@ def report(results: Path = RESULTS) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", nargs="*", default=["counting"], choices=list(ACTOR_TASKS))
-    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=[*METHODS, *LEVERS])
     p.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--iterations", type=int, default=None, help="iterations of every run (default: the task's)")
     p.add_argument("--actor-lr", type=float, default=None, help="the actor's rate (default: the task's)")
@@ -574,7 +577,7 @@ def main() -> None:
                 lr = args.actor_lr or ACTOR_TASKS[task].actor_lr
                 steps = args.iterations or ACTOR_TASKS[task].iterations
                 options = {"iterations": steps, "actor_lr": lr, "batch": args.batch, "lam": args.lam}
-                cfg = LoopConfig(task=task, seed=seed, **options, **METHODS[name])
+                cfg = LoopConfig(task=task, seed=seed, **options, **{**METHODS, **LEVERS}[name])
                 if any(r["name"] == name and same_config(r, cfg) for r in load(path)):
                     continue
                 result = {"name": name, **run(cfg)}
