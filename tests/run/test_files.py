@@ -256,15 +256,20 @@ def test_an_interrupt_during_a_deferred_block_arrives_after_it_and_a_second_one_
     from ppo_critic.run.files import interrupts_deferred
 
     finished = []
-    with pytest.raises(KeyboardInterrupt), interrupts_deferred():
-        signal.raise_signal(signal.SIGINT)
-        finished.append("the write")  # the block runs to its end
-    assert finished == ["the write"]
-    with pytest.raises(KeyboardInterrupt, match="signal"), interrupts_deferred():
-        signal.raise_signal(signal.SIGINT)
-        signal.raise_signal(signal.SIGINT)  # the user insists
-        finished.append("never")
-    assert finished == ["the write"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own Ctrl-C handler, also where the suite was started with SIGINT ignored (in the background)
+    started_with = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts_deferred():
+            signal.raise_signal(signal.SIGINT)
+            finished.append("the write")  # the block runs to its end
+        assert finished == ["the write"]
+        with pytest.raises(KeyboardInterrupt, match="signal"), interrupts_deferred():
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # the user insists
+            finished.append("never")
+        assert finished == ["the write"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, started_with)
 
 
 def test_a_directory_with_a_long_name_is_moved_aside_under_a_name_the_file_system_takes(tmp_path):
