@@ -38,6 +38,7 @@ matplotlib.use("Agg")
 import torch
 
 import ppo_critic.cli as cli
+import ppo_critic.train  # noqa: F401  (warm: a forked command imports nothing, as the docstring promises)
 from ppo_critic.run.checkpoint import complete_checkpoints, latest_checkpoint, verify_checkpoint
 from ppo_critic.run.files import LOCK_FILE, write_file
 from ppo_critic.run.runlog import read_metrics

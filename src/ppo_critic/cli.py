@@ -177,14 +177,14 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(reference.render_yaml(cfg), end="")
         return 0
-    from ppo_critic.train import Interrupted, train
-
     try:
+        from ppo_critic.train import Interrupted, train  # seconds of imports: an interrupt may land here too
+
         train(cfg, overwrite=args.overwrite)  # the trainer reports (on rank 0)
-    except Interrupted as err:
-        _fail(args.subparser, str(err))
-    except KeyboardInterrupt:  # before training started (reading the rollouts, building the model)
+    except KeyboardInterrupt:  # before training started (imports, reading the rollouts, building the model)
         _fail(args.subparser, f"interrupted before training started; nothing was written. {_rerun(cfg)}")
+    except Interrupted as err:  # (bound: the import succeeded, or the clause above matched first)
+        _fail(args.subparser, str(err))
     return 0
 
 
