@@ -88,6 +88,7 @@ def fork(argv: list[str], log: Path) -> int:
     if pid == 0:
         code = 1
         try:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, however run
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
