@@ -45,3 +45,12 @@ def test_a_config_file_nested_thousands_deep_is_named_not_a_recursion_error(tmp_
     deep.write_text("a: " + "{b: " * 5000 + "1" + "}" * 5000 + "\n")
     with pytest.raises(ValueError, match=r"deep.yaml nests too deeply to read"):
         read_yaml_options(deep)
+
+
+def test_a_number_from_an_environment_variable_names_the_way_to_read_it(monkeypatch):
+    """Issue 43 family 8: `${oc.env:X}` gives text, so `trainer.steps=${oc.env:X}` failed as "must be an integer"
+    with no way out named; the error now names `oc.decode`, which works."""
+    monkeypatch.setenv("PPO_STEPS", "5")
+    with pytest.raises(ValueError, match=r"trainer.steps='5' must be an integer \(an \$\{oc.env:...\} value is text"):
+        load_config(None, ["trainer.steps=${oc.env:PPO_STEPS}"])
+    assert load_config(None, ["trainer.steps=${oc.decode:${oc.env:PPO_STEPS}}"]).trainer.steps == 5

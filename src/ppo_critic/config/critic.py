@@ -665,6 +665,13 @@ def _nested_key(cls: type, key: str) -> str | None:
     return None
 
 
+def _decode_hint(value: Any, base: Any) -> str:
+    """For a number or a boolean given as text (what `${oc.env:X}` always gives): how to have it read as one."""
+    if not isinstance(value, str) or base not in (int, float, bool):
+        return ""
+    return " (an ${oc.env:...} value is text: write ${oc.decode:${oc.env:NAME}} to read it as YAML)"
+
+
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}
 _PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
 # integers are 64-bit where they are used (torch's int64 tensors and generator seeds, C sizes and counters)
@@ -692,7 +699,7 @@ def _typed(name: str, value: Any, hint: Any) -> Any:
     }.get(base, True)
     if not ok:
         want = _TYPE_NAMES.get(base, f"a list of {len(args)}" if base is tuple else str(hint))
-        raise ValueError(f"{name}={show(value)} must be {want}")
+        raise ValueError(f"{name}={show(value)} must be {want}{_decode_hint(value, base)}")
     if base is int and not -MAX_INT - 1 <= value <= MAX_INT:
         raise ValueError(f"{name}={show(value)} is too large: it must be a 64-bit integer (-2**63 to 2**63 - 1)")
     if base is float:
