@@ -595,3 +595,16 @@ def test_validate_accepts_int32_positions_and_any_mask_dtype():
     for dtype in (torch.bool, torch.float32, torch.int32):
         edits = {"attention_mask": tensors["attention_mask"].to(dtype), "response_mask": mask.to(dtype)}
         Batch({**tensors, **edits}).validate(require_targets=True)
+
+
+def test_digest_tells_batches_apart_by_rows_tokens_ids_and_target_bits():
+    """What the ranks of one sequence-parallel group compare per call (critics/base.py `_check_same_batch`)."""
+    tensors = make_tensors()
+    digest = Batch(tensors).digest()
+    assert torch.equal(digest, Batch({k: v.clone() for k, v in tensors.items()}).digest())
+    assert digest[:2].tolist() == [B, T] and len(digest) == 2 + 7  # 7 entries summed; response_mask absent: -1
+    swapped = edited(tensors, input_ids=tensors["input_ids"].flip(1))  # the same ids elsewhere: position-weighted
+    signed = edited(tensors, returns=torch.where(tensors["returns"] == 0, -0.0, tensors["returns"]))  # bits, not sums
+    fewer = {k: v[:-1] for k, v in tensors.items()}
+    for other in (swapped, signed, fewer):
+        assert not torch.equal(digest, Batch(other).digest())

@@ -117,6 +117,13 @@ def run_layout(name: str, mode: str, ref: dict, export_dir: str) -> dict:
         skipped = worker.update_critic(bad)
         row["nonfinite_skipped"] = skipped["critic/skipped_steps"]
         row["nonfinite_unchanged"] = all(torch.equal(after[k], v) for k, v in worker.backend.hf_state_dict().items())
+        other = {k: v.clone() for k, v in ref["batch"].items()}
+        other["input_ids"][0, -1] = 1 + dist.get_rank() % 2  # the ranks of one replica hold other tokens
+        try:
+            worker.critic.update_critic(other)
+        except ValueError as err:
+            row["mismatch"] = str(err)
+        row["mismatch_unchanged"] = all(torch.equal(after[k], v) for k, v in worker.backend.hf_state_dict().items())
     ps.destroy_model_parallel()
     return row
 

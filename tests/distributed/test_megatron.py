@@ -94,6 +94,9 @@ def test_megatron_layouts_equal_the_data_parallel_critic(tmp_path):
         assert r["skipped"] == 0 and r["lr"] == pytest.approx(50.0 if r["mode"] == "fixed" else 0.05), r
     (special,) = [r for r in rows if "nonfinite_skipped" in r]
     assert special["nonfinite_skipped"] == 2 and special["nonfinite_unchanged"], special
+    # issue 43 family 6: the four ranks of the TP × PP replica given other tokens refuse alike, nothing moved
+    assert "hold different batches (rank 0: " in special["mismatch"] and "differing: input_ids" in special["mismatch"]
+    assert special["mismatch_unchanged"], special
 
     # the TP=2×PP=2 critic exported after its update loads as an ordinary HF critic with the same weights (the
     # moving average of ema_decay, as the data-parallel critic exports)

@@ -51,3 +51,9 @@ def test_ulysses_matches_the_single_process_reference(tmp_path, nproc):
     # DESIGN §6: heads split over ranks, the same sums in another order (conftest.FP32_REORDERED)
     bad = [r for r in rows if not (r["rel"] <= 1e-5 and r["values_max_abs"] <= 1e-5)]
     assert not bad, bad
+    # issue 43 family 6: ranks of one sp group given other batches refuse alike (was: an abort in an all-to-all, or
+    # values of a mixed sequence in silence), naming each rank's batch, before the update moves a weight
+    for fewer, other, unchanged in report["refusals"]:
+        assert "the ranks that compute one step together hold different batches (" in fewer
+        assert "rows × " in fewer and "differing: rows" in fewer
+        assert "differing: input_ids" in other and unchanged

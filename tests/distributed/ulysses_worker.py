@@ -59,10 +59,35 @@ def main() -> None:
                     | {"checkpointing": checkpointing}
                     | {"values_max_abs": err}
                 )
+    refusals = refused_mismatches(next(iter(ref["models"].values()))["model"], batch, mini, ranks)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, refusals)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump({"rows": results, "collectives_checked": checked}, f)
+            json.dump({"rows": results, "collectives_checked": checked, "refusals": every}, f)
     dist.destroy_process_group()
+
+
+def refused_mismatches(model, batch, mini, ranks) -> list:
+    """Issue 43 family 6: the second rank of each sp group holds one row fewer (compute_values), then one other
+    token id (update_critic). Every rank's error text (None: no error), and whether the update left the weights."""
+    model = shard(copy.deepcopy(model), "fsdp2", torch.device("cpu"))
+    cfg = {"ppo_mini_batch_size": mini, "ulysses_sequence_parallel_size": ranks.sp}
+    cfg["model"] = {"use_remove_padding": True}
+    critic = DataParallelPPOCritic(cfg, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fewer = {k: v[: len(v) - ranks.sp_rank] for k, v in batch.items()}
+    other = {k: v.clone() for k, v in batch.items()}
+    other["input_ids"][0, -1] += ranks.sp_rank
+    before = full_params(model)
+    out = []
+    for call, data in ((critic.compute_values, fewer), (critic.update_critic, other)):
+        try:
+            call(data)
+            out.append(None)
+        except ValueError as err:
+            out.append(str(err))
+    after = full_params(model)
+    return [*out, all(torch.equal(before[k], after[k]) for k in before)]
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from ppo_critic.critics.ema import ParameterEMA
 from ppo_critic.critics.objectives import ValueObjective, objective_of
 from ppo_critic.critics.perf import ModelShape, PhaseTimer, perf_metrics
 from ppo_critic.critics.value_norm import ValueNormalizer
-from ppo_critic.data.batch import MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
+from ppo_critic.data.batch import DIGESTED, MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
 from ppo_critic.data.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_rows
 from ppo_critic.parallel import collectives
 from ppo_critic.parallel.layout import ParallelLayout
@@ -208,6 +208,7 @@ class PPOCriticBase:
         batch.validate()
         self.check_token_ids(batch)
         self._check_batch(batch)
+        self._check_same_batch(batch)
         use_dynamic = meta_setting(batch.meta_info, "use_dynamic_bsz", self.config.use_dynamic_bsz, bool)
         micro_batch_size = meta_setting(batch.meta_info, "micro_batch_size", self.sizes.forward_micro_batch, int)
         max_token_len = meta_setting(batch.meta_info, "max_token_len", self.sizes.forward_max_token_len, int)
@@ -236,6 +237,7 @@ class PPOCriticBase:
         batch.validate(require_targets=True)
         self.check_token_ids(batch)
         self._check_batch(batch)
+        self._check_same_batch(batch)
         self._check_trainable()
         max_token_len = self.sizes.max_token_len * self.sp_size
         batch = batch.select(UPDATE_KEYS).with_lengths()  # read where it arrives, then carried to its mini-batches
@@ -335,6 +337,28 @@ class PPOCriticBase:
 
     def _check_trainable(self) -> None:
         """Backend-specific checks that an update can train the model (before any state changes)."""
+
+    def _check_same_batch(self, batch: Batch) -> None:
+        """The ranks that compute one step together (`layout.replica_group`: Ulysses' pieces of a sequence, megatron's
+        TP × PP) must each hold the same batch: other rows abort in a collective, other tokens give wrong values in
+        silence. One small gather per call; every rank of the group raises alike, before any state changes."""
+        group = self.layout.replica_group
+        if group is None:
+            return
+        every = collectives.all_gather(batch.digest(), group)
+        if all(torch.equal(d, every[0]) for d in every):
+            return
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(group)
+        held = ", ".join(f"rank {r}: {int(d[0])} rows × {int(d[1])} tokens" for r, d in zip(ranks, every, strict=True))
+        names = ("rows", "tokens per row", *DIGESTED)
+        differ = [n for i, n in enumerate(names) if any(d[i] != every[0][i] for d in every)]
+        raise ValueError(
+            f"the ranks that compute one step together hold different batches ({held}; differing: "
+            f"{', '.join(differ)}); give every rank of a sequence-parallel (Ulysses) or tensor/pipeline-parallel group "
+            "the same batch, and split rows over data-parallel ranks only (as verl dispatches)"
+        )
 
     def _values(self, batch: Batch, groups: list[list[int]]) -> Tensor:
         raise NotImplementedError

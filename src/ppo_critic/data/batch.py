@@ -28,6 +28,8 @@ _ID_DTYPES = (torch.int64, torch.int32)  # what an embedding lookup accepts
 # steps and DP ranks) stays below float64's largest number (~2**1024) in the loss and the metrics. Only float64
 # inputs can exceed it; float32 inputs whose squared error overflows a float32 loss are skipped steps (DESIGN §3).
 TARGET_LIMIT = 2.0**480
+DIGESTED = (*MODEL_KEYS, "response_mask", *TARGET_KEYS)  # what `Batch.digest` sums, after the rows and tokens
+_MODULUS = 2**31 - 1  # a prime: checksum terms and weights below it, so their products fit int64
 
 
 @dataclass
@@ -113,6 +115,13 @@ class Batch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         tensors = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}
         return Batch(tensors, dict(self.non_tensors), dict(self.meta_info), self.seq_lens)
+
+    def digest(self) -> Tensor:
+        """int64 [rows, tokens per row, one checksum per entry of `DIGESTED`] (-1: absent): equal on two ranks
+        when, and (but for a checksum collision) only when, they hold the same batch."""
+        sizes = [len(self), self.tensors["input_ids"].shape[-1]]
+        sums = [_checksum(self.tensors[k]) if k in self.tensors else -1 for k in DIGESTED]
+        return torch.tensor(sizes + sums, dtype=torch.int64)
 
     def validate(self, require_targets: bool = False) -> None:
         """Check what is read (keys, types, shapes, dtypes, masks, positions, targets); one-line errors name the key."""
@@ -319,6 +328,16 @@ class Rows:
         if x.device not in self.on_device:
             self.on_device[x.device] = to_device(torch.as_tensor(self.idx, dtype=torch.long), x.device)
         return x[self.on_device[x.device]]
+
+
+def _checksum(x: Tensor) -> int:
+    """A position-weighted sum of `x`'s bits modulo `_MODULUS` (floats by their bit patterns: exact, no rounding)."""
+    bits = x.detach().contiguous()
+    if bits.is_floating_point():
+        bits = bits.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[bits.element_size()])
+    flat = bits.flatten().long().remainder(_MODULUS)
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device).remainder(_MODULUS)
+    return int((flat * weights).remainder(_MODULUS).sum())
 
 
 def to_device(x: Tensor, device: torch.device) -> Tensor:

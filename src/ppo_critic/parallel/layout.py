@@ -33,6 +33,7 @@ class ParallelLayout:
     pp_rank: int = 0
     dp_group: object | None = None
     sp_group: object | None = None
+    replica_group: object | None = None  # ranks computing one step together (sp; megatron's tp × pp): one batch each
     shard_mesh: object | None = None  # 1-D DeviceMesh of the dp × sp ranks the model is wrapped over; None: default
     sizes_per_rank: bool = False
 
@@ -81,5 +82,6 @@ def data_parallel_layout(sp: int = 1) -> ParallelLayout:
         sp_rank=mesh["sp"].get_local_rank(),
         dp_group=mesh["dp"].get_group(),
         sp_group=mesh["sp"].get_group(),
+        replica_group=mesh["sp"].get_group() if sp > 1 else None,
         shard_mesh=init_device_mesh(device, (world,), mesh_dim_names=("dp_sp",)),  # the default group's ranks
     )

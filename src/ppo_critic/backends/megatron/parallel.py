@@ -66,15 +66,18 @@ def layout() -> ParallelLayout:
     from megatron.core import parallel_state as ps
 
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    model_parallel = ps.get_model_parallel_group() if tp * pp > 1 else None  # the ranks of one replica
     return ParallelLayout(
         dp=ps.get_data_parallel_world_size(),
-        tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(),
+        tp=tp,
+        pp=pp,
         vpp=vpp or 1,
         dp_rank=ps.get_data_parallel_rank(),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_group=ps.get_data_parallel_group(),
+        replica_group=model_parallel,
     )
 
 
