@@ -347,6 +347,12 @@ class Loop:
         held_out = torch.Generator().manual_seed(cfg.seed + 1_000_003)
         self.eval_prompts = self.task.prompts(cfg.eval_prompts, held_out)
         self.probe = respond(self.actor, self.task, self.alphabet, self.task.prompts(cfg.probe_rows, held_out), -1)
+        self.live_probes: list[dict[str, float]] = []
+        self.probe_seconds = 0.0
+
+    def probing(self, step: int) -> bool:
+        """Whether the critic is compared with Monte-Carlo values at `step`."""
+        return self.critic is not None and (step % self.cfg.probe_every == 0 or step == 1)
 
     @property
     def uses_critic(self) -> bool:
@@ -363,6 +369,10 @@ class Loop:
             values = mc_values(self.actor, self.task, self.alphabet, batch, cfg.mc_samples, self.gamma, step)
             return gae_advantages(batch, values, self.gamma, cfg.lam)
         values = self.critic.values(batch)
+        if self.probing(step):  # the error the actor's advantages see: its own rollouts, before the critic's update
+            start, rows = time.perf_counter(), torch.arange(min(cfg.probe_rows, len(values)))
+            self.live_probes.append(self.compare(rows_of(batch, rows), values[rows], step))
+            self.probe_seconds += time.perf_counter() - start  # not the iteration's cost
         advantages = gae_advantages(batch, values, self.gamma, cfg.lam)
         self.critic.update(batch, values)
         return advantages
@@ -384,16 +394,20 @@ class Loop:
         return scores(batch, self.spec.per_token).mean().item()
 
     def probe_critic(self, step: int) -> dict[str, float]:
-        """The critic's EV and MSE against Monte-Carlo values of the current actor on the probe prefixes, with the
+        """The critic against Monte-Carlo values of the current actor on the fixed probe prefixes (drawn from the
+        first policy: as the actor moves on, prefixes it no longer writes)."""
+        return self.compare(self.probe, self.critic.worker.compute_values(self.probe), step)
+
+    def compare(self, batch: dict[str, Tensor], values: Tensor, step: int) -> dict[str, float]:
+        """EV and MSE of `values` against Monte-Carlo values of the current actor on `batch`'s prefixes, with the
         truth's variance and its own noise (the variance of the Monte-Carlo mean, from two independent halves:
         E[(a - b)²] / 4), which bounds what any critic can score against it."""
-        cfg, mask = self.cfg, self.probe["response_mask"]
+        cfg, mask = self.cfg, batch["response_mask"]
         halves = [
-            mc_values(self.actor, self.task, self.alphabet, self.probe, cfg.probe_samples // 2, self.gamma, seed)
+            mc_values(self.actor, self.task, self.alphabet, batch, cfg.probe_samples // 2, self.gamma, seed)
             for seed in (31 + step, 1_000_033 + step)
         ]
         truth = (halves[0] + halves[1]) / 2
-        values = self.critic.worker.compute_values(self.probe)
         return {
             "step": step,
             "ev": explained_variance(values, truth, mask).item(),
@@ -414,17 +428,18 @@ def run(cfg: LoopConfig) -> dict:
             wall += time.perf_counter() - start
             if step % cfg.eval_every == 0:
                 curve.append((step, tokens, loop.evaluate(step)))
-            if loop.critic is not None and (step % cfg.probe_every == 0 or step == 1):
+            if loop.probing(step):
                 probes.append(loop.probe_critic(step))
     reached = next((step for step, _, score in curve if score >= loop.spec.target), None)
     return {
         **dataclasses.asdict(cfg),
         "curve": curve,
         "probes": probes,
+        "live_probes": loop.live_probes,
         "iterations_to_target": reached,
         "tokens_to_target": next((tok for step, tok, _ in curve if step == reached), None),
         "final_score": statistics.mean(score for _, _, score in curve[-3:]),
-        "wall_s_per_iteration": wall / cfg.iterations,
+        "wall_s_per_iteration": (wall - loop.probe_seconds) / cfg.iterations,
         "critic_s_per_iteration": (loop.critic.seconds if loop.critic else 0.0) / cfg.iterations,
     }
 
@@ -472,8 +487,9 @@ def table(task: str, results: list[dict]) -> str:
     to the target, the final score, the critic against Monte-Carlo values of the moving actor, the cost."""
     lines = [
         f"| method | seeds | iterations to {ACTOR_TASKS[task].target} | rollout tokens to it (k) | final score | "
-        "critic EV / MSE vs MC (its variance, its noise) | s/iteration (critic) |",
-        "|---|---|---|---|---|---|---|",
+        "critic EV / MSE vs MC on the fixed probe (its variance, its noise) | the same on the actor's own rollouts | "
+        "s/iteration (critic) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in [*METHODS, *LEVERS]:
         rows = sorted((r for r in results if r["name"] == name), key=lambda r: r["seed"])
@@ -481,22 +497,25 @@ def table(task: str, results: list[dict]) -> str:
             continue
         reach = [r["iterations_to_target"] for r in rows]
         tokens = [None if r["tokens_to_target"] is None else round(r["tokens_to_target"] / 1000) for r in rows]
-        probes = [p for r in rows for p in r["probes"]]
-        critic = "—"
-        if probes:
-            ev, mse, var, noise = (
-                statistics.median(p[k] for p in probes) for k in ("ev", "mse", "target_var", "mc_noise")
-            )
-            critic = f"{ev:.2f} / {mse:.4f} ({var:.4f}, {noise:.4f})"
+        critic = probe_summary([p for r in rows for p in r["probes"]])
+        live = probe_summary([p for r in rows for p in r.get("live_probes", [])])
         wall = statistics.median(r["wall_s_per_iteration"] for r in rows)
         work = statistics.median(r["critic_s_per_iteration"] for r in rows)
         med_reach, med_tokens = lower_median(reach), lower_median(tokens)
         lines.append(
             f"| {name} | {len(rows)} | {spread([med_reach])} ({spread(reach)}) | {spread([med_tokens])} "
-            f"({spread(tokens)}) | {statistics.median(r['final_score'] for r in rows):.3f} | {critic} | "
+            f"({spread(tokens)}) | {statistics.median(r['final_score'] for r in rows):.3f} | {critic} | {live} | "
             f"{wall:.2f} ({work:.2f}) |"
         )
     return "\n".join(lines)
+
+
+def probe_summary(probes: list[dict]) -> str:
+    """`EV / MSE (the truth's variance, its Monte-Carlo noise)`, medians over `probes`; "—" without any."""
+    if not probes:
+        return "—"
+    ev, mse, var, noise = (statistics.median(p[k] for p in probes) for k in ("ev", "mse", "target_var", "mc_noise"))
+    return f"{ev:.2f} / {mse:.4f} ({var:.4f}, {noise:.4f})"
 
 
 def plot(task: str, results: list[dict], out: Path) -> None:
@@ -521,15 +540,18 @@ def plot(task: str, results: list[dict], out: Path) -> None:
             steps, [min(s) for s in scores], [max(s) for s in scores], alpha=0.15, color=line.get_color()
         )
         by_tokens.plot(tokens, mid, color=line.get_color())
-        if rows[0]["probes"]:
-            at = [p["step"] for p in rows[0]["probes"]]
-            ev.plot(at, [statistics.median(r["probes"][k]["ev"] for r in rows) for k in range(len(at))], "o-",
-                    color=line.get_color(), label=name)  # fmt: skip
+        for key, style in (("probes", "o:"), ("live_probes", "o-")):  # the fixed probe dotted, own rollouts solid
+            if all(r.get(key) for r in rows):
+                at = [p["step"] for p in rows[0][key]]
+                medians = [statistics.median(r[key][k]["ev"] for r in rows) for k in range(len(at))]
+                ev.plot(at, medians, style, color=line.get_color(), label=name if style == "o-" else None)
     target = ACTOR_TASKS[task].target
     for axis, x in ((by_step, "iteration"), (by_tokens, "rollout tokens (thousands)")):
         axis.axhline(target, color="grey", linestyle=":")
         axis.set(xlabel=x, ylabel="held-out score (mean of one response per prompt)")
-    ev.set(xlabel="iteration", ylabel="critic EV vs Monte-Carlo values of the actor", ylim=(-0.5, 1.0))
+    ev.set(xlabel="iteration", ylabel="critic EV vs MC values (solid: own rollouts, dotted: fixed probe)")
+    ev.set_ylim(-0.5, 1.0)
+    ev.legend(fontsize=8)
     by_step.legend(fontsize=8)
     fig.suptitle(f"PPO on {task}: the actor's score with each critic (median over seeds, range shaded)")
     fig.tight_layout()

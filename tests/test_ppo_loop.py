@@ -113,3 +113,9 @@ def test_a_critic_run_probes_the_critic_against_monte_carlo_values_and_times_it(
     assert [p["step"] for p in result["probes"]] == [1, 2]
     assert all(p["target_var"] > 0 and p["mse"] >= 0 and p["mc_noise"] >= 0 for p in result["probes"])
     assert 0 < result["critic_s_per_iteration"] < result["wall_s_per_iteration"]
+    # the same on the actor's own rollouts, with the values its advantages used; probing leaves the run as it was
+    assert [p["step"] for p in result["live_probes"]] == [1, 2]
+    assert all(p["target_var"] > 0 and p["mc_noise"] >= 0 for p in result["live_probes"])
+    unprobed = loop.run(small(loop, method="critic:batch_alpha0.5_lr5e-4", iterations=2, eval_every=2, probe_every=9))
+    assert unprobed["live_probes"][0]["step"] == 1 and len(unprobed["live_probes"]) == 1
+    assert unprobed["curve"] == result["curve"]
