@@ -29,22 +29,19 @@ def model_from_config(model: ModelConfig, head_outputs: int = 1) -> nn.Module:
     """The value model named by `model.path` (+ `override_config`), or built from `override_config` alone, its head
     of `head_outputs` per token; with LoRA adapters (only they and the value head trainable) when `model.lora_rank`
     > 0."""
-    if model.external_lib:
-        importlib.import_module(model.external_lib)
     if model.path is None and "model_type" not in model.override_config:
         raise ValueError(
             "critic.model.path is not set; give a model directory, or a full transformers config with "
             "model_type in critic.model.override_config"
         )
-    overrides = dict(model.override_config)
-    source = model.path if model.path is not None else overrides
+    source, overrides = model_source(model)
     try:
         built = build_value_model(
             source,
             head=model.head,
             value_head_init=model.value_head_init,
             value_head_dtype=model.value_head_dtype,
-            override_config=overrides if model.path is not None else None,
+            override_config=overrides,
             attn_implementation=model.attn_implementation,
             trust_remote_code=model.trust_remote_code,
             head_outputs=head_outputs,
@@ -57,14 +54,19 @@ def model_from_config(model: ModelConfig, head_outputs: int = 1) -> nn.Module:
     return built
 
 
-def model_limits(model: ModelConfig) -> tuple[int | None, int | None]:
-    """`(vocab_size, max_position_embeddings)` of the (text) model `model` describes, read from its config alone (no
-    weights, no model built): the bounds a rollout file is checked against before the model is built."""
+def model_source(model: ModelConfig) -> tuple[str | dict[str, Any], dict[str, Any] | None]:
+    """`(source, override_config)` for transformers: the model path and its overrides, or the overrides alone as the
+    whole config (None beside them). Imports `external_lib` first: it may register the model type."""
     if model.external_lib:
         importlib.import_module(model.external_lib)
     overrides = dict(model.override_config)
-    source = model.path if model.path is not None else overrides
-    config = hf_config_for(source, overrides if model.path is not None else None, model.trust_remote_code)
+    return (model.path, overrides) if model.path is not None else (overrides, None)
+
+
+def model_limits(model: ModelConfig) -> tuple[int | None, int | None]:
+    """`(vocab_size, max_position_embeddings)` of the (text) model `model` describes, read from its config alone (no
+    weights, no model built): the bounds a rollout file is checked against before the model is built."""
+    config = hf_config_for(*model_source(model), model.trust_remote_code)
     text = config.get_text_config()
     return getattr(text, "vocab_size", None), getattr(text, "max_position_embeddings", None)
 
