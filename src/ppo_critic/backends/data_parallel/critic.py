@@ -64,6 +64,8 @@ def nan_unless(ok: bool | Tensor, norm: Tensor) -> Tensor:
 class DataParallelPPOCritic(PPOCriticBase):
     """PPO value-model trainer: `compute_values(batch)` and `update_critic(batch)` (DESIGN §2–3)."""
 
+    _optimizer_checked = False  # `_check_trainable` ran (at the first update)
+
     def __init__(self, config: Any, critic_module: nn.Module, critic_optimizer: torch.optim.Optimizer):
         """verl's constructor: `config` in any form (checked here) with this rank's sizes, as verl's workers hand it
         over; the layout from torch.distributed's default group."""
@@ -158,7 +160,7 @@ class DataParallelPPOCritic(PPOCriticBase):
     def _check_trainable(self) -> None:
         """The optimizer steps this model (checked at the first update: a critic that only computes values may hold
         any optimizer)."""
-        if not getattr(self, "_optimizer_checked", False):
+        if not self._optimizer_checked:
             check_optimizer_of(self.critic_module, self.critic_optimizer)
             self._optimizer_checked = True
 
