@@ -346,7 +346,7 @@ class PPOCriticBase:
         if group is None:
             return
         every = collectives.all_gather(batch.digest(), group)
-        if all(torch.equal(d, every[0]) for d in every):
+        if bool(torch.stack(every).eq(every[0]).all()):  # one host sync
             return
         import torch.distributed as dist
 

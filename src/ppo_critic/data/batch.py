@@ -119,9 +119,10 @@ class Batch:
     def digest(self) -> Tensor:
         """int64 [rows, tokens per row, one checksum per entry of `DIGESTED`] (-1: absent): equal on two ranks
         when, and (but for a checksum collision) only when, they hold the same batch."""
-        sizes = [len(self), self.tensors["input_ids"].shape[-1]]
-        sums = [_checksum(self.tensors[k]) if k in self.tensors else -1 for k in DIGESTED]
-        return torch.tensor(sizes + sums, dtype=torch.int64)
+        ids = self.tensors["input_ids"]  # summed where the batch is: no host sync per tensor
+        absent = torch.tensor(-1, device=ids.device)
+        sums = [_checksum(self.tensors[k]).to(ids.device) if k in self.tensors else absent for k in DIGESTED]
+        return torch.cat([torch.tensor([len(self), ids.shape[-1]], device=ids.device), torch.stack(sums)])
 
     def validate(self, require_targets: bool = False) -> None:
         """Check what is read (keys, types, shapes, dtypes, masks, positions, targets); one-line errors name the key."""
@@ -330,14 +331,14 @@ class Rows:
         return x[self.on_device[x.device]]
 
 
-def _checksum(x: Tensor) -> int:
+def _checksum(x: Tensor) -> Tensor:
     """A position-weighted sum of `x`'s bits modulo `_MODULUS` (floats by their bit patterns: exact, no rounding)."""
     bits = x.detach().contiguous()
     if bits.is_floating_point():
         bits = bits.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[bits.element_size()])
     flat = bits.flatten().long().remainder(_MODULUS)
     weights = torch.arange(1, flat.numel() + 1, device=flat.device).remainder(_MODULUS)
-    return int((flat * weights).remainder(_MODULUS).sum())
+    return (flat * weights).remainder(_MODULUS).sum()
 
 
 def to_device(x: Tensor, device: torch.device) -> Tensor:
