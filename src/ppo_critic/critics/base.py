@@ -204,11 +204,7 @@ class PPOCriticBase:
         verl's `meta_info` keys `micro_batch_size`, `use_dynamic_bsz` and `max_token_len` override the
         forward settings of the config for this call (a key holding None is not set, as in verl's workers).
         """
-        batch = Batch.from_any(data)
-        batch.validate()
-        self.check_token_ids(batch)
-        self._check_batch(batch)
-        self._check_same_batch(batch)
+        batch = self._checked_batch(data)
         use_dynamic = meta_setting(batch.meta_info, "use_dynamic_bsz", self.config.use_dynamic_bsz, bool)
         micro_batch_size = meta_setting(batch.meta_info, "micro_batch_size", self.sizes.forward_micro_batch, int)
         max_token_len = meta_setting(batch.meta_info, "max_token_len", self.sizes.forward_max_token_len, int)
@@ -233,11 +229,7 @@ class PPOCriticBase:
         All checks run before the first step, so a bad batch changes neither parameters nor optimizer state.
         """
         cfg = self.config
-        batch = Batch.from_any(data)
-        batch.validate(require_targets=True)
-        self.check_token_ids(batch)
-        self._check_batch(batch)
-        self._check_same_batch(batch)
+        batch = self._checked_batch(data, require_targets=True)
         self._check_trainable()
         max_token_len = self.sizes.max_token_len * self.sp_size
         batch = batch.select(UPDATE_KEYS).with_lengths()  # read where it arrives, then carried to its mini-batches
@@ -331,6 +323,15 @@ class PPOCriticBase:
                 f"(ids 0..{self.vocab_size - 1}); tokenize with the critic's tokenizer, or build the model with a "
                 "larger vocab_size (critic.model.override_config.vocab_size)"
             )
+
+    def _checked_batch(self, data: Any, require_targets: bool = False) -> Batch:
+        """`data` as a Batch, with every input check a call makes before any state changes."""
+        batch = Batch.from_any(data)
+        batch.validate(require_targets=require_targets)
+        self.check_token_ids(batch)
+        self._check_batch(batch)
+        self._check_same_batch(batch)
+        return batch
 
     def _check_batch(self, batch: Batch) -> None:
         """Backend-specific input checks (after `Batch.validate`, before any state changes)."""
