@@ -196,6 +196,19 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
             ("vnd0.99_noclip", "statistics that forget (0.99), no value clipping", [*VND99, NOCLIP]),
         )
     },
+    # groups of responses (issue 41 item 3): n per prompt at the same rollouts and the same 96-row mini-batches,
+    # plain, and with the returns of the states a group shares averaged (trainer.shared_prefix_returns)
+    **{
+        f"batch_alpha0.5_lr5e-4_n{n}{suffix}": (
+            f"batch_alpha0.5_lr5e-4 (the default): {n} responses per prompt{what}",
+            [*BATCH, f"critic.rollout_n={n}", f"critic.ppo_mini_batch_size={96 // n}", *extra],
+        )
+        for n in (4, 8)
+        for suffix, what, extra in (
+            ("", "", []),
+            ("_spr", ", the returns of shared states averaged", ["trainer.shared_prefix_returns=true"]),
+        )
+    },
     "adaptive_ema_lr3e-4": (
         "adaptive_running_lr3e-4 without value_norm",
         [*VERL, "critic.ema_decay=0.9", "trainer.length_adaptive_alpha=0.2", "critic.optim.lr=3e-4"],

@@ -11,12 +11,14 @@ seed in the JSON): tracking EV (mean `eval/ev_true` from `drift_start` on), wors
     python bench/drift.py --report                                                    # the tables, from the files
 
 Runs are in-process and sequential; each finished run is appended to `bench/results/drift/<task>_<drift>.json` at
-once, and a run already there (same configuration, seed and schedule) is not run again.
+once, under a lock (processes on one task may run side by side), and a run already there (same configuration, seed
+and schedule) is not run again.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.util
 import json
 import math
@@ -102,6 +104,13 @@ def load(path: Path) -> list[dict]:
     return json.loads(path.read_text())["results"] if path.exists() else []
 
 
+def append(path: Path, run: dict, meta: dict) -> None:
+    """Add a finished run to its result file, read and rewritten under a lock (runs of one task side by side)."""
+    with open(path.with_name(f".{path.stem}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        write_file(path, json.dumps({"meta": meta, "results": [*load(path), run]}, indent=1))
+
+
 def by_config(results: list[dict]) -> dict[str, list[dict]]:
     grouped: dict[str, list[dict]] = {}
     for r in sorted(results, key=lambda r: r["seed"]):
@@ -155,7 +164,7 @@ def main() -> None:
                 if done and done[0]["steps_budget"] == args.steps:
                     continue
                 run = measure(name, task, seed, drift, args.steps, args.start, args.drift == "step")
-                write_file(path, json.dumps({"meta": meta, "results": [*load(path), run]}, indent=1))
+                append(path, run, meta)
                 recover = run.get("recover_steps", "—")
                 print(
                     f"{task} {name} seed={seed}: tracking EV {run['tracking_ev']:.3f} worst {run['worst_ev']:.3f} "

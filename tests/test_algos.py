@@ -25,6 +25,7 @@ from ppo_critic.algos import (
     masked_mean,
     masked_var,
     masked_whiten,
+    shared_prefix_mean,
 )
 
 NAN, INF = float("nan"), float("inf")
@@ -658,3 +659,40 @@ def test_critic_config_checks_loss_type_and_delta():
         CriticConfig.from_any({"vf_loss_type": "l1"})
     with pytest.raises(ValueError, match=r"huber_delta=0\.0 must be a positive \(finite\) number"):
         CriticConfig.from_any({"vf_loss_type": "huber", "huber_delta": 0})
+
+
+def _rows(prompts: list[list[int]], responses: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask of rows whose prompts (0: left padding) precede their responses."""
+    ids = torch.tensor([p + r for p, r in zip(prompts, responses, strict=True)])
+    attention = torch.tensor([[int(t != 0) for t in p] + [1] * len(r) for p, r in zip(prompts, responses, strict=True)])
+    return ids, attention
+
+
+def test_shared_prefix_mean_averages_each_state_over_the_rows_that_reach_it():
+    # rows 0-2 share the prompt [5, 6]; row 2 diverges at its first response token, rows 0 and 1 at their second;
+    # row 3's prompt differs. Response position t's state is the prompt plus the first t response tokens.
+    ids, attention = _rows([[5, 6], [5, 6], [5, 6], [5, 7]], [[1, 2, 3], [1, 2, 4], [2, 2, 3], [1, 2, 3]])
+    targets = torch.tensor([[1.0, 10.0, 100.0], [2.0, 20.0, 200.0], [3.0, 30.0, 300.0], [4.0, 40.0, 400.0]])
+    out = shared_prefix_mean(targets, ids, attention, torch.ones(4, 3))
+    expected = torch.tensor(
+        [
+            [2.0, 15.0, 150.0],  # t0: rows 0-2 (1+2+3)/3; t1: [1] rows 0, 1; t2: [1, 2] rows 0, 1
+            [2.0, 15.0, 150.0],
+            [2.0, 30.0, 300.0],  # from t1 on its own state ([2])
+            [4.0, 40.0, 400.0],  # another prompt: nothing shared
+        ]
+    )
+    assert_close(out, expected)
+
+
+def test_shared_prefix_mean_reads_attended_tokens_only_and_skips_masked_positions():
+    # [5, pad, 6] and [pad, 5, 6] are one state (a padded column's token id is never read); [5, 6, 6] is another.
+    # A masked position neither gets nor gives a value.
+    ids, attention = _rows([[5, 0, 6], [0, 5, 6]], [[1, 2], [1, 2]])
+    ids[0, 1] = 9
+    targets = torch.tensor([[1.0, NAN], [3.0, 5.0]])
+    mask = torch.tensor([[1, 0], [1, 1]])
+    assert_close(shared_prefix_mean(targets, ids, attention, mask), torch.tensor([[2.0, 0.0], [2.0, 5.0]]))
+    other, other_attention = _rows([[0, 5, 6], [5, 6, 6]], [[1, 2], [1, 2]])
+    alone = shared_prefix_mean(targets, other, other_attention, mask)
+    assert_close(alone, torch.tensor([[1.0, 0.0], [3.0, 5.0]]))

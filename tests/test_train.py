@@ -432,3 +432,24 @@ def test_a_run_dir_that_is_a_dangling_symlink_is_named_so(tmp_path):
     with pytest.raises(ValueError, match=r"trainer.run_dir=.*link is a symlink to .*missing, which does not exist"):
         train(short_config(link), out=io.StringIO())
     assert link.is_symlink() and not (tmp_path / "missing").exists()
+
+
+GROUPS = ["critic.rollout_n=4", "critic.ppo_mini_batch_size=48"]  # 48 prompts × 4 responses per mini-batch
+
+
+def test_shared_prefix_returns_average_a_groups_returns_over_its_shared_states():
+    """Under `trainer.shared_prefix_returns` a group's rows regress on one target at their shared first position, and
+    the targets' total is kept (each state's sum is shared out among the positions that reach it)."""
+    cfg = load_config(None, [*GROUPS, "trainer.shared_prefix_returns=true"])
+    source = train_mod.TaskSource(cfg)
+    batch = source.next_batch()
+    values = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(0))
+    shared = train_mod.critic_returns(batch, values, cfg.trainer, 1)
+    plain = train_mod.critic_returns(batch, values, load_config(None, GROUPS).trainer, 1)
+    first = shared[:, 0].view(-1, 4)
+    assert torch.equal(first, first[:, :1].expand_as(first))
+    unshared = plain[:, 0].view(-1, 4)
+    assert not torch.equal(unshared, unshared[:, :1].expand_as(unshared))
+    assert torch.allclose(shared.sum(), plain.sum(), rtol=1e-6)  # float32 sums of ~2k terms in another order
+    mask = batch["response_mask"].bool()
+    assert torch.equal(shared[~mask], torch.zeros_like(shared[~mask]))

@@ -275,3 +275,47 @@ def length_adaptive_lambda(
     if scope == "batch" and nonempty.any():
         lengths = lengths[nonempty].mean().expand_as(lengths)
     return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)
+
+
+# two polynomial hashes of a token sequence modulo primes below 2**31 (so hash·base stays inside int64): rows whose
+# prefixes differ share both with a probability of about 2**-62
+_PREFIX_HASHES = ((2_147_483_647, 1_000_003), (2_147_483_629, 998_244_353))
+
+
+def _absorb(hashes: Tensor, tokens: Tensor, valid: Tensor) -> Tensor:
+    """[B, 2] the prefix hashes of every row after appending `tokens` [B] where `valid` [B]."""
+    moduli = torch.tensor([m for m, _ in _PREFIX_HASHES], device=tokens.device)
+    bases = torch.tensor([b for _, b in _PREFIX_HASHES], device=tokens.device)
+    grown = (hashes * bases + tokens.long()[:, None] + 1) % moduli
+    return torch.where(valid[:, None], grown, hashes)
+
+
+def _state_keys(input_ids: Tensor, attention_mask: Tensor, responses: int) -> Tensor:
+    """[B, R, 2] a key of each response position's state: the row's attended tokens before that response token."""
+    rows, width = input_ids.shape
+    hashes = torch.zeros(rows, 2, dtype=torch.long, device=input_ids.device)
+    attended = attention_mask.bool()
+    for col in range(width - responses):
+        hashes = _absorb(hashes, input_ids[:, col], attended[:, col])
+    keys = []
+    for col in range(width - responses, width):
+        keys.append(hashes)
+        hashes = _absorb(hashes, input_ids[:, col], attended[:, col])
+    return torch.stack(keys, dim=1)
+
+
+@torch.no_grad()
+def shared_prefix_mean(targets: Tensor, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
+    """[B, R] `targets` with each valid response position's replaced by the mean over every valid position of the
+    batch in the same state (the same attended tokens before it: a group's prompt and common first tokens). A
+    return is a noisy sample of its state's value, so the mean keeps the expectation and lowers the noise; 0 where
+    masked. The rows' responses are the last `targets.shape[1]` columns of `input_ids`."""
+    valid = response_mask.bool()
+    keys = _state_keys(input_ids, attention_mask, targets.shape[1])[valid]
+    _, state = torch.unique(keys, dim=0, return_inverse=True)
+    count = torch.zeros(int(state.max()) + 1 if state.numel() else 0, dtype=targets.dtype, device=targets.device)
+    total = torch.zeros_like(count).index_add_(0, state, targets[valid])
+    count.index_add_(0, state, torch.ones_like(targets[valid]))
+    out = torch.zeros_like(targets)
+    out[valid] = (total / count)[state]
+    return out

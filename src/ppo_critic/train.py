@@ -19,7 +19,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ppo_critic.algos import compute_gae_advantage_return, explained_variance, length_adaptive_lambda, masked_mean
+from ppo_critic.algos import (
+    compute_gae_advantage_return,
+    explained_variance,
+    length_adaptive_lambda,
+    masked_mean,
+    shared_prefix_mean,
+)
 from ppo_critic.config.train import TrainConfig, TrainerConfig, max_row_tokens, resolve_model
 from ppo_critic.parallel.mesh import init_distributed
 from ppo_critic.run import console, rundir
@@ -31,7 +37,8 @@ from ppo_critic.worker import CriticWorker
 
 def critic_returns(batch: dict[str, Tensor], values: Tensor, t: TrainerConfig, step: int) -> Tensor:
     """The critic's regression targets: GAE returns bootstrapped from `values`, with the λ of `t` at `step`
-    (Monte-Carlo during `critic_warmup_steps`, then the length-adaptive rule or `lam`)."""
+    (Monte-Carlo during `critic_warmup_steps`, then the length-adaptive rule or `lam`), averaged over the states
+    rows share under `shared_prefix_returns`."""
     rewards, mask = batch["token_level_rewards"], batch["response_mask"]
     if step < t.critic_warmup_steps:
         lam = 1.0
@@ -39,7 +46,10 @@ def critic_returns(batch: dict[str, Tensor], values: Tensor, t: TrainerConfig, s
         lam = length_adaptive_lambda(mask, t.length_adaptive_alpha, gamma=t.gamma, scope=t.length_adaptive_scope)
     else:
         lam = t.lam
-    return compute_gae_advantage_return(rewards, values, mask, t.gamma, lam)[1]
+    returns = compute_gae_advantage_return(rewards, values, mask, t.gamma, lam)[1]
+    if t.shared_prefix_returns:
+        returns = shared_prefix_mean(returns, batch["input_ids"], batch["attention_mask"], mask)
+    return returns
 
 
 # what the built-in trainer regresses on: (batch, its values, the trainer's options, the worker's step) -> [B, R]

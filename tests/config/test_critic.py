@@ -240,6 +240,10 @@ def test_dynamic_batching_does_not_need_divisible_micro_batches():
             {"trainer": {"length_adaptive_scope": "token"}},
             "trainer.length_adaptive_scope='token' must be one of response, batch",
         ),
+        (
+            {"trainer": {"shared_prefix_returns": "yes"}},
+            "trainer.shared_prefix_returns='yes' must be true or false",
+        ),
         ({"task": {"name": "dense", "num_targets": 2}}, "unknown config key 'task.num_targets'"),
         (
             {"task": {"name": "chess"}},

@@ -75,6 +75,10 @@ class TrainerConfig:
     critic_warmup_steps: int = 0
     """the first N steps use Monte-Carlo returns (λ = 1), not bootstrapped from an untrained critic (not verl's
     trainer.critic_warmup, which freezes an actor)"""
+    shared_prefix_returns: bool = False
+    """a response position whose state (the attended tokens before it) other rows of the batch share gets the mean
+    of their returns as its target: with critic.rollout_n > 1 a group's prompt and common first tokens; the same
+    expectation with less noise (docs/QUALITY.md, issue 41's group screen)"""
     eval_size: int = 512
     """rollouts evaluated: the built-in task's held-out set (drawn from a separate seed); with data=, at most this
     many of the held-out rows"""
@@ -155,6 +159,8 @@ class TrainConfig:
         for name in ("steps", "rollout_batch_size", "eval_size", "eval_every", "log_every"):
             if getattr(t, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(t, name)} must be >= 1")
+        if not isinstance(t.shared_prefix_returns, bool):
+            raise ValueError(f"trainer.shared_prefix_returns={t.shared_prefix_returns!r} must be true or false")
         if t.critic_warmup_steps < 0:
             raise ValueError(f"trainer.critic_warmup_steps={t.critic_warmup_steps} must be >= 0")
         if t.save_every < 0 or t.keep_last_n < 0:

@@ -50,7 +50,11 @@ FIXED_ON_RESUME = {
 }
 NOT_COMPARED = ("trainer.resume", "trainer.run_dir")  # how the run is found, not what it is
 # options added after runs were saved: the value a saved config without them meant (such a run stays resumable)
-ADDED_OPTIONS = {"trainer.length_adaptive_scope": "response", "critic.value_norm_decay": 1.0}
+ADDED_OPTIONS = {
+    "trainer.length_adaptive_scope": "response",
+    "critic.value_norm_decay": 1.0,
+    "trainer.shared_prefix_returns": False,
+}
 T = TypeVar("T")
 
 
