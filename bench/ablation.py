@@ -301,10 +301,13 @@ def run_one(
     """Train one configuration for one seed: the EV curve [(iteration, EV, training seconds so far)], the best and
     the final EV, and the training seconds (evaluation excluded); `watch(step)`, if given, after every step."""
     curve: list[tuple[int, float, float]] = []
+    live: list[tuple[int, float]] = []  # under ema_decay, the live weights' EV beside the average's
 
     def on_step(step: int, metrics: dict[str, float], train_s: float) -> None:
         if "eval/ev_true" in metrics:
             curve.append((step, metrics["eval/ev_true"], train_s))
+        if "eval/ev_true_live" in metrics:
+            live.append((step, metrics["eval/ev_true_live"]))
         if watch is not None:
             watch(step)
 
@@ -332,7 +335,7 @@ def run_one(
         "final_ev": curve[-1][1],
         "train_s": curve[-1][2],
         "curve": curve,
-    }
+    } | ({"curve_live": live} if live else {})
 
 
 def overrides_of(config: str, task: str) -> list[str]:

@@ -8,6 +8,7 @@ seed in the JSON): tracking EV (mean `eval/ev_true` from `drift_start` on), wors
 `--drift step` the iterations until EV is back at 0.9 (`ppo_critic.train.tracking_metrics`).
 
     OMP_NUM_THREADS=1 python bench/drift.py --tasks counting --seeds 0 --drift step   # one core
+    OMP_NUM_THREADS=1 python bench/drift.py --tasks dense --seeds 0 --drift none      # the same window, no drift
     python bench/drift.py --report                                                    # the tables, from the files
 
 Runs are in-process and sequential; each finished run is appended to `bench/results/drift/<task>_<drift>.json` at
@@ -55,7 +56,10 @@ CONFIGURATIONS = (ablation.DEFAULT, *VERL, CEILING)
 
 
 def schedule(drift: str, start: int, ramp_steps: int, to: str | None) -> list[str]:
-    """The `task.drift*` overrides of a schedule (`to`: drift_to as the command line writes it; None: the task's)."""
+    """The `task.drift*` overrides of a schedule (`to`: drift_to as the command line writes it; None: the task's);
+    "none" keeps the policy fixed: the control, tracked over the same iterations."""
+    if drift == "none":
+        return ["task.drift=none"]
     overrides = [f"task.drift={drift}", f"task.drift_start={start}", f"task.drift_steps={ramp_steps}"]
     return overrides + ([f"task.drift_to={to}"] if to is not None else [])
 
@@ -65,6 +69,9 @@ def measure(config: str, task: str, seed: int, drift: list[str], steps: int, sta
     run = ablation.run_one(config, [*ablation.overrides_of(config, task), *drift], seed, steps, SUITE[task].eval_every)
     curve = [(step, ev) for step, ev, _ in run["curve"]]
     tracked = tracking_metrics(curve, warmup=start, changed_at=start if abrupt else None)
+    if "curve_live" in run:  # the live weights under ema_decay: the average as a target network only
+        live = tracking_metrics(run["curve_live"], warmup=start, changed_at=start if abrupt else None)
+        tracked |= {f"{key}_live": value for key, value in live.items()}
     return run | tracked | {"task": task, "drift": drift, "steps_budget": steps}
 
 
@@ -135,7 +142,7 @@ def main() -> None:
     p.add_argument("--tasks", nargs="*", default=["counting"], help=f"tasks to run, from {list(SUITE)}")
     p.add_argument("--only", nargs="*", default=list(CONFIGURATIONS), help="configurations (of bench/ablation.py)")
     p.add_argument("--seeds", nargs="*", type=int, default=[0])
-    p.add_argument("--drift", choices=("ramp", "step"), default="ramp")
+    p.add_argument("--drift", choices=("ramp", "step", "none"), default="ramp", help="none: the fixed-policy control")
     p.add_argument("--start", type=int, default=200, help="task.drift_start: iterations on the fixed policy first")
     p.add_argument("--ramp-steps", type=int, default=300, help="task.drift_steps (drift=ramp)")
     p.add_argument("--to", default=None, help="task.drift_to (default: the task's)")

@@ -277,7 +277,8 @@ def make_worker(cfg: TrainConfig) -> CriticWorker:
 
 
 def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float) -> dict[str, float]:
-    """Explained variance of the critic's values against Monte-Carlo returns (and true values when known)."""
+    """Explained variance of the critic's values against Monte-Carlo returns (and true values when known; under
+    `ema_decay` also the live weights', `eval/ev_true_live`)."""
     values = worker.compute_values(batch)
     mask = batch["response_mask"]
     _, mc_returns = compute_gae_advantage_return(
@@ -288,6 +289,9 @@ def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float) -> di
         truth = batch["true_values"]
         metrics["eval/ev_true"] = explained_variance(values, truth, mask).item()
         metrics["eval/mae_true"] = masked_mean((values - truth).abs(), mask).item()
+        live = worker.compute_live_values(batch)  # the live weights beside their average (docs/QUALITY.md)
+        if live is not None:
+            metrics["eval/ev_true_live"] = explained_variance(live, truth, mask).item()
     return metrics
 
 

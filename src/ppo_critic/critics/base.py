@@ -307,6 +307,16 @@ class PPOCriticBase:
             finally:
                 self._reshard()
 
+    @contextlib.contextmanager
+    def live_weights(self) -> Iterator[None]:
+        """`compute_values` on the live weights inside the context, not their average: what `ema_decay` buys, and
+        the critic the average would be a target network for (the average bootstraps, the live weights serve)."""
+        ema, self.ema = self.ema, None
+        try:
+            yield
+        finally:
+            self.ema = ema
+
     def _reshard(self) -> None:
         """Make the parameters `ParameterEMA` edits the ones in use (nothing to do unless a wrapper caches them)."""
 

@@ -73,6 +73,13 @@ class CriticWorker:
         counts = [len(rows) for rows in torch.arange(len(batch)).tensor_split(self.dp_size)]
         return all_gather_rows(local, counts, self.dp_group)
 
+    def compute_live_values(self, batch: Any) -> Tensor | None:
+        """Under `ema_decay`, `compute_values` on the live weights instead of their average; None without one."""
+        if self.critic.ema is None:
+            return None
+        with self.critic.live_weights():
+            return self.compute_values(batch)
+
     def update_critic(self, batch: Any) -> dict[str, float]:
         """One critic update on the global batch; `critic/lr` is the rate it used, then the schedule advances.
         The metrics include `perf/compute_values_*` of the latest `compute_values` (e.g. of this batch's values).
