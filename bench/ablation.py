@@ -193,6 +193,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
             ("nonorm_lam1", "no return normalisation, λ 1", ["critic.value_norm=off", LAM1]),
             ("nonorm_noema", "no return normalisation, no weight average", ["critic.value_norm=off", NOEMA]),
             ("popart", "PopArt (outputs kept while the statistics move; no weight average)", [POPART, NOEMA]),
+            ("popart_ema", "PopArt with the weight average (both heads rescaled when the statistics move)", [POPART]),
             ("vnd0.99_noclip", "statistics that forget (0.99), no value clipping", [*VND99, NOCLIP]),
         )
     },

@@ -85,6 +85,22 @@ def test_popart_preserves_the_values_when_the_statistics_move(tiny_qwen2):
     assert abs(critic.value_norm.mean.item()) > 1.0  # the statistics did move
 
 
+def test_popart_under_ema_decay_preserves_the_averages_values_and_the_live_ones(tiny_qwen2):
+    """PopArt rescales the average's head as well as the live one: with learning rate 0 only the statistics move, so
+    the values served (the average's) and the live weights' stay where they were through every update."""
+    critic = critic_with(tiny_qwen2, "popart", ema_decay=0.9)
+    batch = shifted_batch()
+    before = critic.compute_values(batch)
+    for seed in range(3):
+        critic.update_critic(shifted_batch(seed, scale=3.0 * (seed + 1), shift=-20.0 * seed))
+        # the bound of the test above (the same rescalings, once more for the average's head): a head left
+        # unrescaled moves the values by ~σ (2.5 to 15 here)
+        torch.testing.assert_close(critic.compute_values(batch), before, rtol=1e-5, atol=1e-5)
+        with critic.live_weights():
+            torch.testing.assert_close(critic.compute_values(batch), before, rtol=1e-5, atol=1e-5)
+    assert abs(critic.value_norm.mean.item()) > 1.0  # the statistics did move
+
+
 def test_running_normalisation_moves_the_values_with_the_statistics(tiny_qwen2):
     """The control for the PopArt test: without rescaling, the de-normalised outputs follow μ and σ."""
     critic = critic_with(tiny_qwen2, "running")

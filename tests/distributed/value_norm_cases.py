@@ -43,6 +43,7 @@ CASES = {
     "ema_ddp": case("ddp", "running", ema_decay=0.5),
     "ema_fsdp2": case("fsdp2", "running", ema_decay=0.5),
     "ema_lora_fsdp2": case("fsdp2", lora_rank=4, ema_decay=0.5),
+    "popart_ema_fsdp2": case("fsdp2", "popart", ema_decay=0.5),  # the average's head rescaled shard-wise too
     "head_lr_fsdp2": case("fsdp2", "running", head_lr_ratio=10.0),  # the head's own group, found through FSDP2
     "head_lr_fsdp": case("fsdp", head_lr_ratio=10.0),  # ... and through FSDP1 (use_orig_params)
 }

@@ -429,11 +429,6 @@ class CriticConfig:
             return ["ema_warmup=true needs ema_decay > 0 (the decay it ramps up to)"] if self.ema_warmup else []
         if self.strategy == "fsdp":
             return ["ema_decay > 0 is not supported with strategy=fsdp (FSDP1); use fsdp2, ddp or none, or set 0"]
-        if self.value_norm == "popart":
-            return [
-                "ema_decay > 0 with value_norm=popart is not supported (PopArt rescales only the live head); "
-                "use value_norm=running, or set ema_decay=0"
-            ]
         return []
 
     def param_dtype_errors(self) -> list[str]:

@@ -20,7 +20,7 @@ from ppo_critic.config.critic import CriticConfig, RankSizes
 from ppo_critic.critics.ema import ParameterEMA
 from ppo_critic.critics.objectives import ValueObjective, objective_of
 from ppo_critic.critics.perf import ModelShape, PhaseTimer, perf_metrics
-from ppo_critic.critics.value_norm import ValueNormalizer
+from ppo_critic.critics.value_norm import ValueNormalizer, preserve_outputs
 from ppo_critic.data.batch import DIGESTED, MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
 from ppo_critic.data.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_rows
 from ppo_critic.parallel import collectives
@@ -285,13 +285,19 @@ class PPOCriticBase:
 
     def update_value_norm(self, returns: Tensor, mask: Tensor) -> None:
         """Merge the valid `returns` into `value_norm`'s statistics, summed over the DP ranks; under PopArt the
-        value head is rescaled so that the critic's raw values do not move. A no-op when `value_norm` is off."""
+        value head is rescaled so that the critic's raw values do not move — the live head and, under `ema_decay`,
+        the average's (the rescale is affine in the head's weights, so it commutes with averaging them). A no-op
+        when `value_norm` is off."""
         norm = self.value_norm
         if norm.mode != "popart":
             norm.update(returns, mask, self.all_reduce)
             return
+        before = norm.snapshot()
         with self._value_head() as head:
             norm.update(returns, mask, self.all_reduce, head)
+        if self.ema is not None and not torch.equal(before.state_vector(), norm.state_vector()):
+            with self.averaged_weights(), self._value_head() as head:
+                preserve_outputs(head, before.mean, before.std, norm.mean, norm.std)
 
     @contextlib.contextmanager
     def averaged_weights(self) -> Iterator[None]:

@@ -9,6 +9,7 @@
 - `popart` (van Hasselt et al., 2016, "Learning values across many orders of magnitude"): as `running`, and
   whenever μ, σ change the value head's weight and bias are rescaled so that the de-normalised predictions stay
   the same: `w' = w·σ/σ'`, `b' = (σ·b + μ − μ')/σ'` (so the old values' outputs are those of the current μ, σ).
+  Under `ema_decay` the average's head is rescaled alike: the map is affine in (w, b), so it commutes with averaging.
 
 The statistics are updated once per `update_critic` call, before its first step, from the call's valid returns;
 they are sums (count, sum, sum of squares) reduced over the data-parallel ranks, merged into the running values
@@ -112,6 +113,10 @@ class ValueNormalizer:
         copy = ValueNormalizer(self.mode, self.mean.device, self.decay)
         copy.count, copy.mean, copy.var = self.count.clone(), self.mean.clone(), self.var.clone()
         return copy
+
+    def state_vector(self) -> Tensor:
+        """[3] the count, mean and variance: equal vectors, the same statistics."""
+        return torch.stack([self.count, self.mean, self.var])
 
     def normalise_old_values(self, values: Tensor, served: ValueNormalizer) -> Tensor:
         """Old raw `values`, given under the statistics `served`, as the outputs the model gave them with: what value
