@@ -458,7 +458,8 @@ METHODS = {  # name -> LoopConfig overrides
     "mc": {"method": "mc"},
 }
 LEVERS = {  # the default recipe with one lever changed (bench/ablation.py's names): screened with --methods
-    f"ppo-critic_{lever}": {"method": f"{DEFAULT_CRITIC}_{lever}"} for lever in ("nonorm", "noema", "nonorm_noema")
+    f"ppo-critic_{lever}": {"method": f"{DEFAULT_CRITIC}_{lever}"}
+    for lever in ("nonorm", "noema", "nonorm_noema", "popart_ema")
 }
 
 
