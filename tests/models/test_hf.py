@@ -326,10 +326,9 @@ def test_popart_rescales_the_head_copy_that_peft_trains():
         {"ppo_mini_batch_size": 8, "value_norm": "popart"}, model, torch.optim.SGD(model.parameters(), lr=0.1)
     )
     batch = make_batch()
-    critic.update_value_norm(batch["returns"], torch.ones_like(batch["returns"]))  # the first statistics map outputs
     before = critic.compute_values(batch)
-    critic.update_value_norm(batch["returns"] * 5 + 4, torch.ones_like(batch["returns"]))
-    assert critic.value_norm.mean.item() == pytest.approx(2, abs=1)  # (0 + 4) / 2 for returns of mean ~0
+    critic.update_value_norm(batch["returns"] * 3 + 2, torch.ones_like(batch["returns"]))
+    assert critic.value_norm.mean.item() == pytest.approx(2, abs=1)
     # PopArt's rescale in float64, stored in float32: the outputs move by float32 rounding (values are O(1))
     torch.testing.assert_close(critic.compute_values(batch), before, rtol=0, atol=1e-5)
 

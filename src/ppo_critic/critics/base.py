@@ -286,8 +286,8 @@ class PPOCriticBase:
     def update_value_norm(self, returns: Tensor, mask: Tensor) -> None:
         """Merge the valid `returns` into `value_norm`'s statistics, summed over the DP ranks; under PopArt the
         value head is rescaled so that the critic's raw values do not move — the live head and, under `ema_decay`,
-        the average's (the rescale is affine in the head's weights, so it commutes with averaging them); not at the
-        statistics' first merge (`ValueNormalizer.update`). A no-op when `value_norm` is off."""
+        the average's (the rescale is affine in the head's weights, so it commutes with averaging them). A no-op
+        when `value_norm` is off."""
         norm = self.value_norm
         if norm.mode != "popart":
             norm.update(returns, mask, self.all_reduce)
@@ -295,11 +295,7 @@ class PPOCriticBase:
         before = norm.snapshot()
         with self._value_head() as head:
             norm.update(returns, mask, self.all_reduce, head)
-        if (
-            self.ema is not None
-            and before.count.item() > 0
-            and not torch.equal(before.state_vector(), norm.state_vector())
-        ):
+        if self.ema is not None and not torch.equal(before.state_vector(), norm.state_vector()):
             with self.averaged_weights(), self._value_head() as head:
                 preserve_outputs(head, before.mean, before.std, norm.mean, norm.std)
 

@@ -10,9 +10,6 @@
   whenever μ, σ change the value head's weight and bias are rescaled so that the de-normalised predictions stay
   the same: `w' = w·σ/σ'`, `b' = (σ·b + μ − μ')/σ'` (so the old values' outputs are those of the current μ, σ).
   Under `ema_decay` the average's head is rescaled alike: the map is affine in (w, b), so it commutes with averaging.
-  The first statistics are not preserved against: as under `running` they map the head's outputs onto the returns'
-  scale at once (a head that has seen no return holds nothing to keep; held at its ~0 raw outputs, a head on returns
-  of mean 10 took 50 iterations to EV 0.95 where `running` took 30, issue 41).
 
 The statistics are updated once per `update_critic` call, before its first step, from the call's valid returns;
 they are sums (count, sum, sum of squares) reduced over the data-parallel ranks, merged into the running values
@@ -85,9 +82,9 @@ class ValueNormalizer:
         all_reduce: Callable[[Tensor], Tensor] = lambda x: x,
         head: nn.Linear | None = None,
     ) -> None:
-        """Merge the valid `returns` (summed over ranks by `all_reduce`) into the statistics; with PopArt, once the
-        statistics had started, rescale `head` so that its de-normalised outputs are unchanged. A no-op when off, when
-        nothing is valid, and before the statistics have started when these returns do not vary (module docstring)."""
+        """Merge the valid `returns` (summed over ranks by `all_reduce`) into the statistics; with PopArt, rescale
+        `head` so that its de-normalised outputs are unchanged. A no-op when off, when nothing is valid, and before
+        the statistics have started when these returns do not vary (module docstring)."""
         if not self.enabled:
             return
         valid = mask.bool()
@@ -99,7 +96,6 @@ class ValueNormalizer:
         batch_var = (total_sq / n - batch_mean**2).clamp(min=0.0)
         if self.count.item() == 0 and not has_spread(batch_mean, batch_var):
             return
-        started = self.count.item() > 0  # PopArt preserves outputs from the second merge on (module docstring)
         held = self.count * self.decay
         merged = held + n
         delta = batch_mean - self.mean
@@ -110,8 +106,7 @@ class ValueNormalizer:
         if self.mode == "popart":
             if head is None:
                 raise ValueError("value_norm=popart needs the model's value head to rescale")
-            if started:
-                preserve_outputs(head, old_mean, old_std, self.mean, self.std)
+            preserve_outputs(head, old_mean, old_std, self.mean, self.std)
 
     def snapshot(self) -> ValueNormalizer:
         """A copy of the statistics as they are now (e.g. those that gave the old values, before an update)."""
@@ -125,12 +120,11 @@ class ValueNormalizer:
 
     def normalise_old_values(self, values: Tensor, served: ValueNormalizer) -> Tensor:
         """Old raw `values`, given under the statistics `served`, as the outputs the model gave them with: what value
-        clipping must measure the new outputs against. PopArt kept those outputs through the update once its
-        statistics had started (the current statistics map them back); `running`, and PopArt's first merge, did not
-        move them, only their meaning, so `served` maps them back.
+        clipping must measure the new outputs against. PopArt kept those outputs through the update (the current
+        statistics map them back); `running` did not move them, only their meaning, so `served` maps them back.
         (Mapped by the current statistics instead, a move of μ by more than `cliprange_value`·σ would clip every
         token: the first update of a run, whose μ jumps from 0, lost a third of its tokens' gradient that way.)"""
-        return (self if self.mode == "popart" and served.count.item() > 0 else served).normalise(values)
+        return (self if self.mode == "popart" else served).normalise(values)
 
     def fold_into(self, head: nn.Linear) -> None:
         """Make a copy's `head` predict raw values (`w ← σ·w`, `b ← σ·b + μ`): an export needs no statistics."""
