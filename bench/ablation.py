@@ -326,6 +326,7 @@ def run_one(
                 "trainer.progress=false",
                 "trainer.logger=[console,jsonl]",
                 "trainer.export_hf=false",
+                "trainer.eval_live_weights=true",  # the live weights beside the average (bench/drift.py)
             ],
         )
         train(cfg, out=io.StringIO(), on_step=on_step, targets=targets_of(name, cfg))

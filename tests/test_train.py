@@ -207,9 +207,6 @@ def test_evaluate_is_perfect_for_a_critic_that_outputs_the_truth(tmp_path):
         def compute_values(self, batch):
             return batch["true_values"]
 
-        def compute_live_values(self, batch):
-            return None  # no weight average
-
     m = evaluate(Oracle(), source.eval_batch, gamma=1.0)
     # 1 - 0/Var up to the rounding of the variance (pytest's default rel=1e-6); the error is exactly 0
     assert m["eval/ev_true"] == pytest.approx(1.0) and m["eval/mae_true"] == 0
@@ -459,8 +456,9 @@ def test_shared_prefix_returns_average_a_groups_returns_over_its_shared_states()
 
 
 def test_under_ema_decay_the_evaluation_also_scores_the_live_weights(tmp_path):
-    """`eval/ev_true_live`: the live weights' EV beside their average's (a different critic after a few updates);
-    the average stays in place for every later call; without `ema_decay` there is no such metric."""
+    """`eval/ev_true_live` (`trainer.eval_live_weights`): the live weights' EV beside their average's (a different
+    critic after a few updates); the average stays in place for every later call; without `ema_decay` there is no
+    such metric."""
     from ppo_critic.config.train import resolve_model
 
     def built(run_dir, *extra):
@@ -473,9 +471,10 @@ def test_under_ema_decay_the_evaluation_also_scores_the_live_weights(tmp_path):
     for _ in range(3):
         train_mod._iteration(worker, source, cfg.trainer)
     average = worker.compute_values(source.eval_batch)
-    metrics = evaluate(worker, source.eval_batch, gamma=1.0)
+    assert "eval/ev_true_live" not in evaluate(worker, source.eval_batch, gamma=1.0)  # trainer.eval_live_weights
+    metrics = evaluate(worker, source.eval_batch, gamma=1.0, live=True)
     assert metrics["eval/ev_true_live"] != metrics["eval/ev_true"]
     assert not torch.equal(worker.compute_live_values(source.eval_batch), average)
     assert torch.equal(worker.compute_values(source.eval_batch), average)
     _, plain, plain_source = built(tmp_path / "plain", "critic.ema_decay=0.0")
-    assert "eval/ev_true_live" not in evaluate(plain, plain_source.eval_batch, 1.0)
+    assert "eval/ev_true_live" not in evaluate(plain, plain_source.eval_batch, 1.0, live=True)

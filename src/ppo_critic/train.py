@@ -276,9 +276,9 @@ def make_worker(cfg: TrainConfig) -> CriticWorker:
     return CriticWorker(cfg.critic, total_steps=t.steps, device=t.device, seed=t.seed, dist_timeout_s=t.dist_timeout_s)
 
 
-def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float) -> dict[str, float]:
-    """Explained variance of the critic's values against Monte-Carlo returns (and true values when known; under
-    `ema_decay` also the live weights', `eval/ev_true_live`)."""
+def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float, live: bool = False) -> dict[str, float]:
+    """Explained variance of the critic's values against Monte-Carlo returns (and true values when known; with
+    `live`, under `ema_decay`, also the live weights', `eval/ev_true_live`)."""
     values = worker.compute_values(batch)
     mask = batch["response_mask"]
     _, mc_returns = compute_gae_advantage_return(
@@ -289,9 +289,9 @@ def evaluate(worker: CriticWorker, batch: dict[str, Tensor], gamma: float) -> di
         truth = batch["true_values"]
         metrics["eval/ev_true"] = explained_variance(values, truth, mask).item()
         metrics["eval/mae_true"] = masked_mean((values - truth).abs(), mask).item()
-        live = worker.compute_live_values(batch)  # the live weights beside their average (docs/QUALITY.md)
-        if live is not None:
-            metrics["eval/ev_true_live"] = explained_variance(live, truth, mask).item()
+        live_values = worker.compute_live_values(batch) if live else None  # beside the average (docs/QUALITY.md)
+        if live_values is not None:
+            metrics["eval/ev_true_live"] = explained_variance(live_values, truth, mask).item()
     return metrics
 
 
@@ -387,7 +387,7 @@ def _loop(
             train_s += time.perf_counter() - start
             step = worker.step
             if source.eval_batch is not None and (step % t.eval_every == 0 or step == t.steps):
-                metrics |= evaluate(worker, source.evaluation_batch(step), t.gamma)
+                metrics |= evaluate(worker, source.evaluation_batch(step), t.gamma, t.eval_live_weights)
                 metrics |= source.tracking(step, metrics, last=step == t.steps)
             if log is not None:
                 log.log(step, metrics)

@@ -244,6 +244,7 @@ def test_dynamic_batching_does_not_need_divisible_micro_batches():
             {"trainer": {"shared_prefix_returns": "yes"}},
             "trainer.shared_prefix_returns='yes' must be true or false",
         ),
+        ({"trainer": {"eval_live_weights": 1}}, "trainer.eval_live_weights=1 must be true or false"),
         ({"task": {"name": "dense", "num_targets": 2}}, "unknown config key 'task.num_targets'"),
         (
             {"task": {"name": "chess"}},

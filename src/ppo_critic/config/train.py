@@ -84,6 +84,9 @@ class TrainerConfig:
     many of the held-out rows"""
     eval_every: int = 10
     """evaluate every N steps, and at the last step"""
+    eval_live_weights: bool = False
+    """under critic.ema_decay, also score the live weights beside their average on a built-in task
+    (eval/ev_true_live: what the average buys); one more forward over the held-out set per evaluation"""
     save_every: int = 50
     """a checkpoint every N steps, and at the last step; 0: only at the last step"""
     keep_last_n: int = 2
@@ -159,8 +162,9 @@ class TrainConfig:
         for name in ("steps", "rollout_batch_size", "eval_size", "eval_every", "log_every"):
             if getattr(t, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(t, name)} must be >= 1")
-        if not isinstance(t.shared_prefix_returns, bool):
-            raise ValueError(f"trainer.shared_prefix_returns={t.shared_prefix_returns!r} must be true or false")
+        for name in ("shared_prefix_returns", "eval_live_weights"):
+            if not isinstance(getattr(t, name), bool):
+                raise ValueError(f"trainer.{name}={getattr(t, name)!r} must be true or false")
         if t.critic_warmup_steps < 0:
             raise ValueError(f"trainer.critic_warmup_steps={t.critic_warmup_steps} must be >= 0")
         if t.save_every < 0 or t.keep_last_n < 0:

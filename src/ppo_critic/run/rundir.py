@@ -29,6 +29,7 @@ MANAGED += ("tensorboard", "tracking.json", "wandb", "mlruns")  # what the exper
 CHANGEABLE_ON_RESUME = (
     "trainer.steps",
     "trainer.eval_every",
+    "trainer.eval_live_weights",
     "trainer.save_every",
     "trainer.keep_last_n",
     "trainer.progress",
@@ -54,6 +55,7 @@ ADDED_OPTIONS = {
     "trainer.length_adaptive_scope": "response",
     "critic.value_norm_decay": 1.0,
     "trainer.shared_prefix_returns": False,
+    "trainer.eval_live_weights": False,
 }
 T = TypeVar("T")
 
