@@ -294,8 +294,8 @@ class PPOCriticBase:
             return
         before = norm.snapshot()
         with self._value_head() as head:
-            norm.update(returns, mask, self.all_reduce, head)
-        if self.ema is not None and not torch.equal(before.state_vector(), norm.state_vector()):
+            merged = norm.update(returns, mask, self.all_reduce, head)
+        if merged and self.ema is not None:
             with self.averaged_weights(), self._value_head() as head:
                 preserve_outputs(head, before.mean, before.std, norm.mean, norm.std)
 

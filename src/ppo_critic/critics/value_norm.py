@@ -81,21 +81,22 @@ class ValueNormalizer:
         mask: Tensor,
         all_reduce: Callable[[Tensor], Tensor] = lambda x: x,
         head: nn.Linear | None = None,
-    ) -> None:
+    ) -> bool:
         """Merge the valid `returns` (summed over ranks by `all_reduce`) into the statistics; with PopArt, rescale
         `head` so that its de-normalised outputs are unchanged. A no-op when off, when nothing is valid, and before
-        the statistics have started when these returns do not vary (module docstring)."""
+        the statistics have started when these returns do not vary (module docstring). Returns whether they
+        merged (and so moved)."""
         if not self.enabled:
-            return
+            return False
         valid = mask.bool()
         r = torch.where(valid, returns.double(), 0.0)
         n, total, total_sq = all_reduce(torch.stack([valid.sum().double(), r.sum(), (r * r).sum()])).unbind()
         if n.item() == 0:
-            return
+            return False
         batch_mean = total / n
         batch_var = (total_sq / n - batch_mean**2).clamp(min=0.0)
         if self.count.item() == 0 and not has_spread(batch_mean, batch_var):
-            return
+            return False
         held = self.count * self.decay
         merged = held + n
         delta = batch_mean - self.mean
@@ -107,16 +108,13 @@ class ValueNormalizer:
             if head is None:
                 raise ValueError("value_norm=popart needs the model's value head to rescale")
             preserve_outputs(head, old_mean, old_std, self.mean, self.std)
+        return True
 
     def snapshot(self) -> ValueNormalizer:
         """A copy of the statistics as they are now (e.g. those that gave the old values, before an update)."""
         copy = ValueNormalizer(self.mode, self.mean.device, self.decay)
         copy.count, copy.mean, copy.var = self.count.clone(), self.mean.clone(), self.var.clone()
         return copy
-
-    def state_vector(self) -> Tensor:
-        """[3] the count, mean and variance: equal vectors, the same statistics."""
-        return torch.stack([self.count, self.mean, self.var])
 
     def normalise_old_values(self, values: Tensor, served: ValueNormalizer) -> Tensor:
         """Old raw `values`, given under the statistics `served`, as the outputs the model gave them with: what value
