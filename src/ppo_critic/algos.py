@@ -282,25 +282,19 @@ def length_adaptive_lambda(
 _PREFIX_HASHES = ((2_147_483_647, 1_000_003), (2_147_483_629, 998_244_353))
 
 
-def _absorb(hashes: Tensor, tokens: Tensor, valid: Tensor) -> Tensor:
-    """[B, 2] the prefix hashes of every row after appending `tokens` [B] where `valid` [B]."""
-    moduli = torch.tensor([m for m, _ in _PREFIX_HASHES], device=tokens.device)
-    bases = torch.tensor([b for _, b in _PREFIX_HASHES], device=tokens.device)
-    grown = (hashes * bases + tokens.long()[:, None] + 1) % moduli
-    return torch.where(valid[:, None], grown, hashes)
-
-
 def _state_keys(input_ids: Tensor, attention_mask: Tensor, responses: int) -> Tensor:
     """[B, R, 2] a key of each response position's state: the row's attended tokens before that response token."""
     rows, width = input_ids.shape
+    moduli = torch.tensor([m for m, _ in _PREFIX_HASHES], device=input_ids.device)
+    bases = torch.tensor([b for _, b in _PREFIX_HASHES], device=input_ids.device)
     hashes = torch.zeros(rows, 2, dtype=torch.long, device=input_ids.device)
     attended = attention_mask.bool()
-    for col in range(width - responses):
-        hashes = _absorb(hashes, input_ids[:, col], attended[:, col])
     keys = []
-    for col in range(width - responses, width):
-        keys.append(hashes)
-        hashes = _absorb(hashes, input_ids[:, col], attended[:, col])
+    for col in range(width):
+        if col >= width - responses:
+            keys.append(hashes)  # the state before this response token
+        grown = (hashes * bases + input_ids[:, col].long()[:, None] + 1) % moduli
+        hashes = torch.where(attended[:, col, None], grown, hashes)
     return torch.stack(keys, dim=1)
 
 
@@ -312,10 +306,8 @@ def shared_prefix_mean(targets: Tensor, input_ids: Tensor, attention_mask: Tenso
     masked. The rows' responses are the last `targets.shape[1]` columns of `input_ids`."""
     valid = response_mask.bool()
     keys = _state_keys(input_ids, attention_mask, targets.shape[1])[valid]
-    _, state = torch.unique(keys, dim=0, return_inverse=True)
-    count = torch.zeros(int(state.max()) + 1 if state.numel() else 0, dtype=targets.dtype, device=targets.device)
-    total = torch.zeros_like(count).index_add_(0, state, targets[valid])
-    count.index_add_(0, state, torch.ones_like(targets[valid]))
+    _, state, count = torch.unique(keys, dim=0, return_inverse=True, return_counts=True)
+    total = torch.zeros(len(count), dtype=targets.dtype, device=targets.device).index_add_(0, state, targets[valid])
     out = torch.zeros_like(targets)
     out[valid] = (total / count)[state]
     return out
