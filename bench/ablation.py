@@ -494,17 +494,25 @@ def bounds_table(results: dict[str, dict[str, list[dict]]]) -> str:
 
 
 def load(task: str) -> list[dict]:
-    path = RESULTS / f"{task}.json"
+    return read_results(RESULTS / f"{task}.json")
+
+
+def read_results(path: Path) -> list[dict]:
+    """The runs of a result file ({"meta", "results"}); none while it does not exist."""
     return json.loads(path.read_text())["results"] if path.exists() else []
 
 
-def append(task: str, run: dict, meta: dict) -> None:
-    """Add a finished run to the task's result file, read and rewritten under a lock: ablations running side by side
-    on the same task (other seeds or configurations) each keep every run of the others."""
-    with open(RESULTS / f".{task}.lock", "w") as lock:
+def append_result(path: Path, run: dict, meta: dict) -> None:
+    """Add a finished run to a result file, read and rewritten under a lock (`.<name>.lock` beside it): benches running
+    side by side on the same file (other seeds or configurations) each keep every run of the others."""
+    with open(path.with_name(f".{path.stem}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        results = [*load(task), run]
-        write_file(RESULTS / f"{task}.json", json.dumps({"meta": meta, "results": results}, indent=1))
+        write_file(path, json.dumps({"meta": meta, "results": [*read_results(path), run]}, indent=1))
+
+
+def append(task: str, run: dict, meta: dict) -> None:
+    """Add a finished run to the task's result file (`append_result`)."""
+    append_result(RESULTS / f"{task}.json", run, meta)
 
 
 def by_config(results: list[dict]) -> dict[str, list[dict]]:

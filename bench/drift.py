@@ -19,9 +19,7 @@ and schedule) is not run again.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import importlib.util
-import json
 import math
 import platform
 import statistics
@@ -30,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from ppo_critic.run.files import write_file
 from ppo_critic.train import tracking_metrics
 
 BENCH = Path(__file__).resolve().parent
@@ -107,17 +104,6 @@ def table(runs: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def load(path: Path) -> list[dict]:
-    return json.loads(path.read_text())["results"] if path.exists() else []
-
-
-def append(path: Path, run: dict, meta: dict) -> None:
-    """Add a finished run to its result file, read and rewritten under a lock (runs of one task side by side)."""
-    with open(path.with_name(f".{path.stem}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        write_file(path, json.dumps({"meta": meta, "results": [*load(path), run]}, indent=1))
-
-
 def by_config(results: list[dict]) -> dict[str, list[dict]]:
     grouped: dict[str, list[dict]] = {}
     for r in sorted(results, key=lambda r: r["seed"]):
@@ -130,7 +116,7 @@ def report(paths: list[Path]) -> str:
     parts = []
     for path in paths:
         schedules: dict[tuple, list[dict]] = {}
-        for r in load(path):
+        for r in ablation.read_results(path):
             schedules.setdefault((r["task"], *r["drift"], r["steps_budget"]), []).append(r)
         for (task, *drift, steps), results in schedules.items():
             parts += [f"### {task}, {' '.join(drift)}, {steps} iterations", "", table(by_config(results)), ""]
@@ -167,11 +153,15 @@ def main() -> None:
         path = RESULTS / f"{task}_{args.drift}.json"
         for seed in args.seeds:
             for name in args.only:
-                done = [r for r in load(path) if (r["config"], r["seed"], r["drift"]) == (name, seed, drift)]
+                done = [
+                    r
+                    for r in ablation.read_results(path)
+                    if (r["config"], r["seed"], r["drift"]) == (name, seed, drift)
+                ]
                 if done and done[0]["steps_budget"] == args.steps:
                     continue
                 run = measure(name, task, seed, drift, args.steps, args.start, args.drift == "step")
-                append(path, run, meta)
+                ablation.append_result(path, run, meta)
                 recover = run.get("recover_steps", "—")
                 print(
                     f"{task} {name} seed={seed}: tracking EV {run['tracking_ev']:.3f} worst {run['worst_ev']:.3f} "
