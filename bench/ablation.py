@@ -112,6 +112,7 @@ ALPHA05 = [*RECIPE, "trainer.length_adaptive_alpha=0.5", "critic.optim.lr=3e-4"]
 BATCH = [*ALPHA05, "critic.optim.lr=5e-4", "trainer.length_adaptive_scope=batch"]  # α 0.5 from ALPHA05
 LAM1, NOEMA, POPART = "trainer.length_adaptive_alpha=null", "critic.ema_decay=0.0", "critic.value_norm=popart"
 VND99, NOCLIP = ["critic.value_norm_decay=0.99"], "critic.cliprange_value=null"
+REPLAY96, REPLAY192, SURPRISE = "trainer.replay_rows=96", "trainer.replay_rows=192", "trainer.surprise_ratio=2"
 COSINE = ["critic.optim.warmup_style=cosine", "critic.optim.min_lr_ratio=0.1"]  # over trainer.steps, the budget
 CONFIGS: dict[str, tuple[str, list[str]]] = {
     **{f"verl_lr{lr}": (f"verl's critic at lr {lr}", [*VERL, f"critic.optim.lr={lr}"]) for lr in BASELINE_LRS},
@@ -195,6 +196,23 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
             ("popart", "PopArt (outputs kept while the statistics move; no weight average)", [POPART, NOEMA]),
             ("popart_ema", "PopArt with the weight average (both heads rescaled when the statistics move)", [POPART]),
             ("vnd0.99_noclip", "statistics that forget (0.99), no value clipping", [*VND99, NOCLIP]),
+            ("replay96", "96 rows of the last 4 batches replayed per update (1.5× the critic's work)", [REPLAY96]),
+            ("replay192", "192 rows of the last 4 batches replayed per update (2× the critic's work)", [REPLAY192]),
+            (
+                "surprise2",
+                "on a fresh batch's error above 2× its mean: the average restarted, 2× lr for 20",
+                [SURPRISE],
+            ),
+            (
+                "surprise2_lr1",
+                "on a surprise (ratio 2) the average restarted only",
+                [SURPRISE, "trainer.surprise_lr_scale=1"],
+            ),
+            (
+                "nonorm_replay96",
+                "no return normalisation, 96 rows replayed per update",
+                ["critic.value_norm=off", REPLAY96],
+            ),
         )
     },
     # groups of responses (issue 41 item 3): n per prompt at the same rollouts and the same 96-row mini-batches,
@@ -303,12 +321,15 @@ def run_one(
     the final EV, and the training seconds (evaluation excluded); `watch(step)`, if given, after every step."""
     curve: list[tuple[int, float, float]] = []
     live: list[tuple[int, float]] = []  # under ema_decay, the live weights' EV beside the average's
+    surprises: list[int] = []  # the steps trainer.surprise_ratio reacted at
 
     def on_step(step: int, metrics: dict[str, float], train_s: float) -> None:
         if "eval/ev_true" in metrics:
             curve.append((step, metrics["eval/ev_true"], train_s))
         if "eval/ev_true_live" in metrics:
             live.append((step, metrics["eval/ev_true_live"]))
+        if metrics.get("surprise/reacted"):
+            surprises.append(step)
         if watch is not None:
             watch(step)
 
@@ -330,14 +351,18 @@ def run_one(
             ],
         )
         train(cfg, out=io.StringIO(), on_step=on_step, targets=targets_of(name, cfg))
-    return {
-        "config": name,
-        "seed": seed,
-        "best_ev": max(ev for _, ev, _ in curve),
-        "final_ev": curve[-1][1],
-        "train_s": curve[-1][2],
-        "curve": curve,
-    } | ({"curve_live": live} if live else {})
+    return (
+        {
+            "config": name,
+            "seed": seed,
+            "best_ev": max(ev for _, ev, _ in curve),
+            "final_ev": curve[-1][1],
+            "train_s": curve[-1][2],
+            "curve": curve,
+        }
+        | ({"curve_live": live} if live else {})
+        | ({"surprises": surprises} if "surprise_ratio" in str(overrides) else {})
+    )
 
 
 def overrides_of(config: str, task: str) -> list[str]:

@@ -27,6 +27,7 @@ from ppo_critic.algos import (
     shared_prefix_mean,
 )
 from ppo_critic.config.train import TrainConfig, TrainerConfig, max_row_tokens, resolve_model
+from ppo_critic.moving import ReplaySource, SurpriseSchedule
 from ppo_critic.parallel.mesh import init_distributed
 from ppo_critic.run import console, rundir
 from ppo_critic.run.lifecycle import Run
@@ -108,9 +109,13 @@ class TaskSource:
         return self.task.config.drift != "none"
 
     def next_batch(self) -> dict[str, Tensor]:
-        batch = self.task.at(self.step).sample(self.batch_size, self.generator, self.group)
+        batch = self.draw(self.step, self.generator)
         self.step += 1
         return batch
+
+    def draw(self, step: int, generator: torch.Generator) -> dict[str, Tensor]:
+        """Iteration `step`'s rollouts, drawn with `generator` (the same state draws the same rows)."""
+        return self.task.at(step).sample(self.batch_size, generator, self.group)
 
     def evaluation_batch(self, step: int) -> dict[str, Tensor]:
         """The held-out set of the policy of iteration `step` (the one the critic values next): the same rows for a
@@ -313,18 +318,20 @@ def train(
     """
     if init_distributed(cfg.trainer.dist_timeout_s):  # under torchrun: every rank checks the others' options first
         rundir.same_options(cfg.to_dict())
-    source = FileSource(cfg) if cfg.data else TaskSource(cfg)
+    source = make_source(cfg)
     cfg = resolve_model(cfg, source.vocab_size, source.max_length)
     worker = make_worker(cfg)
+    t = cfg.trainer
+    schedule = SurpriseSchedule(t.surprise_ratio, t.surprise_steps, t.surprise_lr_scale) if t.surprise_ratio else None
     out = out or sys.stdout
     say = functools.partial(print, file=out) if worker.rank == 0 else lambda *_: None  # the first rank alone prints
     with Run(cfg.trainer, worker.rank == 0, say).claim(overwrite) as run:
         try:
-            _resume(worker, source, cfg, run)
+            _resume(worker, source, schedule, cfg, run)
             if worker.step >= cfg.trainer.steps:
                 return run.complete(worker.step, _exporter(worker), run_title(cfg, source), source.eval_name)
             run.start(cfg.to_dict(), worker.step)
-            return _loop(worker, source, cfg, run, out, on_step, targets)
+            return _loop(worker, source, schedule, cfg, run, out, on_step, targets)
         except KeyboardInterrupt as interrupt:
             raise Interrupted(
                 f"interrupted at step {worker.step}; nothing partial was saved. Run the same command to resume from "
@@ -336,7 +343,23 @@ class Interrupted(RuntimeError):
     """Ctrl-C or SIGTERM during training: says which step a rerun resumes from."""
 
 
-def _resume(worker: CriticWorker, source: TaskSource | FileSource, cfg: TrainConfig, run: Run) -> None:
+def make_source(cfg: TrainConfig) -> TaskSource | FileSource | ReplaySource:
+    """The rollouts of the run: a data= file or the built-in task, the latter with its replay window under
+    `trainer.replay_rows`."""
+    if cfg.data:
+        return FileSource(cfg)
+    t, source = cfg.trainer, TaskSource(cfg)
+    if not t.replay_rows:
+        return source
+    return ReplaySource(source, t.replay_rows, t.replay_window, t.replay_decay, cfg.critic.rollout_n, t.seed)
+
+
+Source = TaskSource | FileSource | ReplaySource
+
+
+def _resume(
+    worker: CriticWorker, source: Source, schedule: SurpriseSchedule | None, cfg: TrainConfig, run: Run
+) -> None:
     """Say what runs, refuse options that cannot change, and resume from the checkpoint `trainer.resume` names."""
     run.say(f"run: {run_title(cfg, source)}, {cfg.trainer.steps} steps")
     run.say(f"every option: {run.path / 'config.yaml'} once the run starts (`ppo-critic train --print-config`)")
@@ -344,16 +367,26 @@ def _resume(worker: CriticWorker, source: TaskSource | FileSource, cfg: TrainCon
     for note in source.notes:
         run.say(note)
     run.check_options(cfg.to_dict(), cfg.critic.strategy)
-    if run.resume(functools.partial(_load, worker, source, run.say)) is not None and "critic.optim.lr" in run.changes:
+    resumed = run.resume(functools.partial(_load, worker, source, schedule, run.say))
+    if resumed is not None and "critic.optim.lr" in run.changes:
         worker.set_learning_rate(cfg.critic.optim.lr)
     if source.resume_note:
         run.say(source.resume_note)
 
 
-def _load(worker: CriticWorker, source: TaskSource | FileSource, say: Callable[[str], None], checkpoint: Path) -> Path:
-    """Load `checkpoint` into the worker and the rollout source (nothing changes unless both accept it)."""
+def _load(
+    worker: CriticWorker,
+    source: Source,
+    schedule: SurpriseSchedule | None,
+    say: Callable[[str], None],
+    checkpoint: Path,
+) -> Path:
+    """Load `checkpoint` into the worker, the rollout source and the surprise schedule (nothing changes unless the
+    worker and the source accept it)."""
     tensors, state = worker.load_checkpoint(checkpoint, source.state()[0], check_state=source.check_state)
     source.load_state(tensors, state)
+    if schedule is not None:
+        schedule.load_state(state)
     say(f"resumed from {checkpoint} at step {worker.step}")
     return checkpoint
 
@@ -365,7 +398,8 @@ def _exporter(worker: CriticWorker) -> Callable[[Path], Path]:
 
 def _loop(
     worker: CriticWorker,
-    source: TaskSource | FileSource,
+    source: Source,
+    schedule: SurpriseSchedule | None,
     cfg: TrainConfig,
     run: Run,
     out: Any,
@@ -383,7 +417,7 @@ def _loop(
     try:
         while worker.step < t.steps:
             start = time.perf_counter()
-            metrics = _iteration(worker, source, t, targets)
+            metrics = _iteration(worker, source, t, targets, schedule)
             train_s += time.perf_counter() - start
             step = worker.step
             if source.eval_batch is not None and (step % t.eval_every == 0 or step == t.steps):
@@ -396,6 +430,7 @@ def _loop(
                 on_step(step, metrics, train_s)
             if (t.save_every and step % t.save_every == 0) or step == t.steps:
                 tensors, state = source.state()
+                state |= schedule.state() if schedule is not None else {}
                 worker.save_checkpoint(run.checkpoints, tensors, state, keep_last_n=t.keep_last_n or None)
     finally:
         progress.close()
@@ -406,7 +441,7 @@ def _loop(
     return metrics
 
 
-def run_title(cfg: TrainConfig, source: TaskSource | FileSource) -> str:
+def run_title(cfg: TrainConfig, source: Source) -> str:
     """The run and its key settings, for the curves' title: where, what data, which model, rate, averaging, λ."""
     model = cfg.critic.model
     shape = model.override_config
@@ -422,10 +457,30 @@ def run_title(cfg: TrainConfig, source: TaskSource | FileSource) -> str:
 
 
 def _iteration(
-    worker: CriticWorker, source: TaskSource | FileSource, t: TrainerConfig, targets: Targets = critic_returns
+    worker: CriticWorker,
+    source: Source,
+    t: TrainerConfig,
+    targets: Targets = critic_returns,
+    schedule: SurpriseSchedule | None = None,
 ) -> dict[str, float]:
-    """One step: rollouts, their values, the `targets` regressed on, one `update_critic`."""
+    """One step: rollouts (replayed ones first under `replay_rows`), their values, the `targets` regressed on, one
+    `update_critic` (at a raised rate while the surprise `schedule` reacts)."""
     batch = source.next_batch()
     batch["values"] = worker.compute_values(batch)
     batch["returns"] = targets(batch, batch["values"], t, worker.step)
-    return worker.update_critic(batch)
+    replayed = len(batch["values"]) - t.rollout_batch_size if t.replay_rows else 0  # ahead of the fresh rows
+    reaction = _surprise(worker, schedule, batch, replayed) if schedule is not None else {}
+    metrics = worker.update_critic(batch, lr_scale=reaction.get("surprise/lr_scale", 1.0))
+    return metrics | reaction | ({"replay/rows": float(replayed)} if t.replay_rows else {})
+
+
+def _surprise(worker: CriticWorker, schedule: SurpriseSchedule, batch: dict[str, Tensor], replayed: int) -> dict:
+    """Score the fresh rows' values against their targets before the update; on a surprise restart the weight
+    average. Returns the metrics, with the rate's factor for this update."""
+    fresh = slice(replayed, None)
+    error = masked_mean((batch["values"][fresh] - batch["returns"][fresh]) ** 2, batch["response_mask"][fresh]).item()
+    surprised = schedule.observe(error)
+    if surprised:
+        worker.restart_average()
+    scale = schedule.next_lr_scale()
+    return {"surprise/error": error, "surprise/reacted": float(surprised), "surprise/lr_scale": scale}

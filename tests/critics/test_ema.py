@@ -54,6 +54,32 @@ def test_the_average_moves_toward_the_parameters_and_a_double_swap_restores_both
         ParameterEMA(layer, 1.0)
 
 
+def test_restart_starts_the_average_over_from_the_live_weights():
+    layer = nn.Linear(3, 2)
+    ema = ParameterEMA(layer, 0.9, warmup=True)
+    for _ in range(3):
+        with torch.no_grad():
+            layer.weight.add_(1.0)
+        ema.update()
+    assert not torch.equal(ema.average[0], layer.weight) and int(ema.updates) == 3
+    ema.restart()
+    assert torch.equal(ema.average[0], layer.weight) and int(ema.updates) == 0  # warmup's short memory again
+    assert ema.current_decay() == pytest.approx(0.1)
+
+
+def test_the_worker_restarts_the_average_only_under_ema_decay():
+    with_ema, without = CriticWorker(config(), device="cpu"), CriticWorker(config(ema_decay=0.0), device="cpu")
+    batch = make_batch(8, 6, 5, seed=0)
+    with_ema.update_critic(batch)
+    with torch.no_grad():
+        live = with_ema.critic.compute_values(batch)  # the average's values
+    assert with_ema.restart_average() and not without.restart_average()
+    with with_ema.critic.live_weights():
+        expected = with_ema.compute_values(batch)
+    restarted = with_ema.compute_values(batch)
+    assert not torch.equal(live, restarted) and torch.equal(restarted, expected)
+
+
 def test_compute_values_uses_the_average_and_training_the_live_weights_is_unchanged():
     with_ema, without = CriticWorker(config(), device="cpu"), CriticWorker(config(ema_decay=0.0), device="cpu")
     batch = make_batch(8, 6, 5, seed=0)

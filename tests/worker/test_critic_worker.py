@@ -87,6 +87,15 @@ def test_update_steps_the_schedule_and_reports_the_lr_it_used():
     assert worker.step == 4
 
 
+def test_lr_scale_raises_one_updates_rate_and_the_schedule_sets_the_next():
+    """`update_critic(lr_scale=...)`: trainer.surprise_lr_scale's raised rate, for that update alone."""
+    worker = CriticWorker(worker_config(value_head_lr_ratio=10), total_steps=4)
+    batch = make_batch(8, 6, 5)
+    assert worker.update_critic(batch, lr_scale=3.0)["critic/lr"] == pytest.approx(3e-2)
+    assert [g["lr"] for g in worker.optimizer.param_groups] == pytest.approx([1e-2, 1e-1])  # the schedule's again
+    assert worker.update_critic(batch)["critic/lr"] == pytest.approx(1e-2)
+
+
 def _head_and_body(worker: CriticWorker) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     head = {id(p) for p in worker.model.score.parameters()}
     params = [p.detach().clone() for p in worker.model.parameters()]

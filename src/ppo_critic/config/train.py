@@ -79,6 +79,22 @@ class TrainerConfig:
     """a response position whose state (the attended tokens before it) other rows of the batch share gets the mean
     of their returns as its target: with critic.rollout_n > 1 a group's prompt and common first tokens; the same
     expectation with less noise (docs/QUALITY.md, issue 41's group screen)"""
+    replay_rows: int = 0
+    """rows of the last replay_window batches trained on ahead of each fresh batch (a multiple of
+    critic.ppo_mini_batch_size × rollout_n; 0: off): more of the critic's work per rollout, recent rows more often;
+    their values and targets are recomputed with the current critic; built-in tasks only (docs/QUALITY.md)"""
+    replay_window: int = 4
+    """earlier batches replay_rows draws from"""
+    replay_decay: float = 0.5
+    """in (0, 1]: a batch a iterations old is drawn with weight replay_decay^(a−1) (1: the window alike)"""
+    surprise_ratio: float | None = None
+    """when a fresh batch's squared error before its update exceeds this multiple of its running mean (the policy
+    moved), the weight average starts over from the live weights and the next surprise_steps updates run at
+    surprise_lr_scale × the rate; null: off (docs/QUALITY.md)"""
+    surprise_steps: int = 20
+    """updates at the raised rate after a surprise (and batches scored before the first can be one)"""
+    surprise_lr_scale: float = 2.0
+    """the factor of the rate after a surprise (1: only restart the average)"""
     eval_size: int = 512
     """rollouts evaluated: the built-in task's held-out set (drawn from a separate seed); with data=, at most this
     many of the held-out rows"""
@@ -190,6 +206,7 @@ class TrainConfig:
                 f"trainer.rollout_batch_size={t.rollout_batch_size} must be a multiple of critic.ppo_mini_batch_size"
                 f"={self.critic.ppo_mini_batch_size} (× rollout_n={self.critic.rollout_n})"
             )
+        self._check_moving(mini)
         if not (isinstance(t.dist_timeout_s, int | float) and math.isfinite(t.dist_timeout_s) and t.dist_timeout_s > 0):
             raise ValueError(f"trainer.dist_timeout_s={t.dist_timeout_s} must be a positive number of seconds")
         if t.dist_timeout_s > MAX_TIMEOUT_S:
@@ -207,6 +224,34 @@ class TrainConfig:
             raise ValueError("trainer.eval_data is read together with data=<rollout file>; set data, or unset it")
         t.logger = check_loggers(t.logger)  # known names, without repeats
         self.check_sizes()
+
+    def _check_moving(self, mini: int) -> None:
+        """The levers for a moving policy (`ppo_critic.moving`): a replay window of whole mini-batches of a built-in
+        task, a surprise schedule with a ratio above 1."""
+        t = self.trainer
+        if t.replay_rows < 0 or t.replay_rows % mini:
+            raise ValueError(
+                f"trainer.replay_rows={t.replay_rows} must be 0 (off) or a multiple of critic.ppo_mini_batch_size"
+                f"={self.critic.ppo_mini_batch_size} (× rollout_n={self.critic.rollout_n}): whole mini-batches"
+            )
+        if t.replay_rows and self.data is not None:
+            raise ValueError(
+                "trainer.replay_rows replays a built-in task's batches; with data= every pass over the file already "
+                "revisits its rows: set trainer.replay_rows=0"
+            )
+        if t.replay_window < 1 or not 0 < t.replay_decay <= 1:
+            raise ValueError(
+                f"trainer.replay_window={t.replay_window} must be >= 1 and trainer.replay_decay={t.replay_decay} in "
+                "(0, 1]"
+            )
+        ratio = t.surprise_ratio
+        if ratio is not None and not (isinstance(ratio, int | float) and math.isfinite(ratio) and ratio > 1):
+            raise ValueError(f"trainer.surprise_ratio={ratio!r} must be a number > 1 (a rise of the error), or null")
+        if t.surprise_steps < 1 or not (math.isfinite(t.surprise_lr_scale) and t.surprise_lr_scale > 0):
+            raise ValueError(
+                f"trainer.surprise_steps={t.surprise_steps} must be >= 1 and trainer.surprise_lr_scale="
+                f"{t.surprise_lr_scale} a number > 0"
+            )
 
     def check_sizes(self) -> None:
         """Refuse, before anything runs, rollout batches that cannot fit in this machine's memory and task rows longer

@@ -54,6 +54,14 @@ class ParameterEMA:
         self.updates += 1
 
     @torch.no_grad()
+    def restart(self) -> None:
+        """Start the average over from the live parameters (and, under warmup, its short early memory): what a
+        critic does when the policy it values has changed and the average would remember the old one."""
+        average, live = self._locals()
+        torch._foreach_copy_(average, live)
+        self.updates.zero_()
+
+    @torch.no_grad()
     def swap(self) -> None:
         """Exchange the live parameters and the average in place (twice restores both, bit for bit)."""
         average, live = self._locals()

@@ -56,6 +56,12 @@ ADDED_OPTIONS = {
     "critic.value_norm_decay": 1.0,
     "trainer.shared_prefix_returns": False,
     "trainer.eval_live_weights": False,
+    "trainer.replay_rows": 0,
+    "trainer.replay_window": 4,
+    "trainer.replay_decay": 0.5,
+    "trainer.surprise_ratio": None,
+    "trainer.surprise_steps": 20,
+    "trainer.surprise_lr_scale": 2.0,
 }
 T = TypeVar("T")
 

@@ -80,8 +80,9 @@ class CriticWorker:
         with self.critic.live_weights():
             return self.compute_values(batch)
 
-    def update_critic(self, batch: Any) -> dict[str, float]:
-        """One critic update on the global batch; `critic/lr` is the rate it used, then the schedule advances.
+    def update_critic(self, batch: Any, lr_scale: float = 1.0) -> dict[str, float]:
+        """One critic update on the global batch; `critic/lr` is the rate it used (the schedule's, times `lr_scale`
+        for this update alone), then the schedule advances and sets the next rate.
         The metrics include `perf/compute_values_*` of the latest `compute_values` (e.g. of this batch's values).
 
         Under DP each rank trains on its share of every global mini-batch, so a mini-batch holds the same rows
@@ -90,11 +91,20 @@ class CriticWorker:
         if self.dp_size > 1:
             batch = Batch.from_any(batch)
             batch = batch.index(self._shard(len(batch), self.config.ppo_mini_batch_size * self.config.rollout_n))
+        for group in self.backend.scheduled.param_groups:
+            group["lr"] *= lr_scale
         with self.offload.resident(model=True, optimizer=True):
             metrics = self.critic.update_critic(batch)
-        self.scheduler.step()
+        self.scheduler.step()  # every group's rate from the schedule again
         self.step += 1
         return metrics | (self.critic.last_compute_metrics or {})  # + the perf of the latest compute_values
+
+    def restart_average(self) -> bool:
+        """Under `ema_decay`, start the moving average over from the live weights; False without one."""
+        if self.critic.ema is None:
+            return False
+        self.critic.ema.restart()
+        return True
 
     def save_checkpoint(
         self,
