@@ -270,12 +270,15 @@ class TrainConfig:
                 f"{length}: the task's rows reach at least {tokens} tokens, more than the model's {positions[0]} "
                 f"positions ({positions[1]}); use a model with max_position_embeddings >= {tokens}, or shorter rows"
             )
-        rows = t.rollout_batch_size + t.eval_size
+        held = t.replay_window * t.rollout_batch_size + t.replay_rows if t.replay_rows else 0  # the replay window
+        parts = {"rollout_batch_size": t.rollout_batch_size, "eval_size": t.eval_size, "replay_window": held}
+        rows = sum(parts.values())
         blame = length
         if batch_bytes(rows, task_row_tokens(type(task_cfg)())[0]) > (host_memory() or math.inf):  # too many rows
-            name = "eval_size" if t.eval_size >= t.rollout_batch_size else "rollout_batch_size"
+            name = max(parts, key=parts.__getitem__)
             blame = f"trainer.{name}={getattr(t, name)}"
-        what = f"{rows} rollouts ({t.rollout_batch_size} a step and {t.eval_size} held out)"
+        what = f"{rows} rollouts ({t.rollout_batch_size} a step, {t.eval_size} held out"
+        what += f", {held} replayed or held to replay)" if held else ")"
         check_batch_memory(rows, tokens, blame, what)
 
     def task_config(self) -> Any:

@@ -25,6 +25,8 @@ class ReplaySource:
         self.held: deque[tuple[int, Tensor, dict[str, Tensor]]] = deque(maxlen=window)  # (step, rng state, batch)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "source":  # not set yet (a copy being built): no recursion through it
+            raise AttributeError(name)
         return getattr(self.source, name)
 
     def next_batch(self) -> dict[str, Tensor]:
