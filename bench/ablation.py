@@ -112,7 +112,9 @@ ALPHA05 = [*RECIPE, "trainer.length_adaptive_alpha=0.5", "critic.optim.lr=3e-4"]
 BATCH = [*ALPHA05, "critic.optim.lr=5e-4", "trainer.length_adaptive_scope=batch"]  # α 0.5 from ALPHA05
 LAM1, NOEMA, POPART = "trainer.length_adaptive_alpha=null", "critic.ema_decay=0.0", "critic.value_norm=popart"
 VND99, NOCLIP = ["critic.value_norm_decay=0.99"], "critic.cliprange_value=null"
-REPLAY96, REPLAY192, SURPRISE = "trainer.replay_rows=96", "trainer.replay_rows=192", "trainer.surprise_ratio=2"
+REPLAY96, REPLAY192, SURPRISE = "trainer.replay_rows=96", "trainer.replay_rows=192", "trainer.surprise_z=5"
+LR1 = "trainer.surprise_lr_scale=1"
+SURPRISE_MC = [SURPRISE, LR1, "trainer.surprise_mc_targets=true"]
 COSINE = ["critic.optim.warmup_style=cosine", "critic.optim.min_lr_ratio=0.1"]  # over trainer.steps, the budget
 CONFIGS: dict[str, tuple[str, list[str]]] = {
     **{f"verl_lr{lr}": (f"verl's critic at lr {lr}", [*VERL, f"critic.optim.lr={lr}"]) for lr in BASELINE_LRS},
@@ -198,15 +200,12 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
             ("vnd0.99_noclip", "statistics that forget (0.99), no value clipping", [*VND99, NOCLIP]),
             ("replay96", "96 rows of the last 4 batches replayed per update (1.5× the critic's work)", [REPLAY96]),
             ("replay192", "192 rows of the last 4 batches replayed per update (2× the critic's work)", [REPLAY192]),
+            ("surprise5", "on a jump of the fresh residual (z 5): the average restarted, 2× lr for 20", [SURPRISE]),
+            ("surprise5_lr1", "on a surprise (z 5) the average restarted only", [SURPRISE, LR1]),
             (
-                "surprise2",
-                "on a fresh batch's error above 2× its mean: the average restarted, 2× lr for 20",
-                [SURPRISE],
-            ),
-            (
-                "surprise2_lr1",
-                "on a surprise (ratio 2) the average restarted only",
-                [SURPRISE, "trainer.surprise_lr_scale=1"],
+                "surprise5_mc",
+                "on a surprise (z 5) the average restarted, 20 updates on Monte-Carlo targets",
+                SURPRISE_MC,
             ),
             (
                 "nonorm_replay96",
@@ -321,7 +320,7 @@ def run_one(
     the final EV, and the training seconds (evaluation excluded); `watch(step)`, if given, after every step."""
     curve: list[tuple[int, float, float]] = []
     live: list[tuple[int, float]] = []  # under ema_decay, the live weights' EV beside the average's
-    surprises: list[int] = []  # the steps trainer.surprise_ratio reacted at
+    surprises: list[int] = []  # the steps trainer.surprise_z reacted at
 
     def on_step(step: int, metrics: dict[str, float], train_s: float) -> None:
         if "eval/ev_true" in metrics:
@@ -361,7 +360,7 @@ def run_one(
             "curve": curve,
         }
         | ({"curve_live": live} if live else {})
-        | ({"surprises": surprises} if "surprise_ratio" in str(overrides) else {})
+        | ({"surprises": surprises} if "surprise_z" in str(overrides) else {})
     )
 
 

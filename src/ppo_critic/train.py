@@ -28,6 +28,7 @@ from ppo_critic.algos import (
 )
 from ppo_critic.config.train import TrainConfig, TrainerConfig, max_row_tokens, resolve_model
 from ppo_critic.moving import ReplaySource, SurpriseSchedule
+from ppo_critic.moving.surprise import row_residuals
 from ppo_critic.parallel.mesh import init_distributed
 from ppo_critic.run import console, rundir
 from ppo_critic.run.lifecycle import Run
@@ -36,12 +37,14 @@ from ppo_critic.tasks import TASKS
 from ppo_critic.worker import CriticWorker
 
 
-def critic_returns(batch: dict[str, Tensor], values: Tensor, t: TrainerConfig, step: int) -> Tensor:
+def critic_returns(
+    batch: dict[str, Tensor], values: Tensor, t: TrainerConfig, step: int, monte_carlo: bool = False
+) -> Tensor:
     """The critic's regression targets: GAE returns bootstrapped from `values`, with the λ of `t` at `step`
-    (Monte-Carlo during `critic_warmup_steps`, then the length-adaptive rule or `lam`), averaged over the states
-    rows share under `shared_prefix_returns`."""
+    (Monte-Carlo during `critic_warmup_steps` or when asked, then the length-adaptive rule or `lam`), averaged over
+    the states rows share under `shared_prefix_returns`."""
     rewards, mask = batch["token_level_rewards"], batch["response_mask"]
-    if step < t.critic_warmup_steps:
+    if monte_carlo or step < t.critic_warmup_steps:
         lam = 1.0
     elif t.length_adaptive_alpha is not None:
         lam = length_adaptive_lambda(mask, t.length_adaptive_alpha, gamma=t.gamma, scope=t.length_adaptive_scope)
@@ -322,7 +325,7 @@ def train(
     cfg = resolve_model(cfg, source.vocab_size, source.max_length)
     worker = make_worker(cfg)
     t = cfg.trainer
-    schedule = SurpriseSchedule(t.surprise_ratio, t.surprise_steps, t.surprise_lr_scale) if t.surprise_ratio else None
+    schedule = SurpriseSchedule(t.surprise_z, t.surprise_steps, t.surprise_lr_scale) if t.surprise_z else None
     out = out or sys.stdout
     say = functools.partial(print, file=out) if worker.rank == 0 else lambda *_: None  # the first rank alone prints
     with Run(cfg.trainer, worker.rank == 0, say).claim(overwrite) as run:
@@ -470,17 +473,25 @@ def _iteration(
     batch["returns"] = targets(batch, batch["values"], t, worker.step)
     replayed = len(batch["values"]) - t.rollout_batch_size if t.replay_rows else 0  # ahead of the fresh rows
     reaction = _surprise(worker, schedule, batch, replayed) if schedule is not None else {}
-    metrics = worker.update_critic(batch, lr_scale=reaction.get("surprise/lr_scale", 1.0))
+    if reaction.get("surprise/reacting") and t.surprise_mc_targets:  # no bootstrap from the old policy's values
+        batch["returns"] = critic_returns(batch, batch["values"], t, worker.step, monte_carlo=True)
+    metrics = worker.update_critic(batch, lr_scale=t.surprise_lr_scale if reaction.get("surprise/reacting") else 1.0)
     return metrics | reaction | ({"replay/rows": float(replayed)} if t.replay_rows else {})
 
 
 def _surprise(worker: CriticWorker, schedule: SurpriseSchedule, batch: dict[str, Tensor], replayed: int) -> dict:
-    """Score the fresh rows' values against their targets before the update; on a surprise restart the weight
+    """Score the fresh rows' residuals (targets − values) before the update; on a surprise restart the weight
     average. Returns the metrics, with the rate's factor for this update."""
     fresh = slice(replayed, None)
-    error = masked_mean((batch["values"][fresh] - batch["returns"][fresh]) ** 2, batch["response_mask"][fresh]).item()
-    surprised = schedule.observe(error)
+    residual, error = row_residuals(batch["returns"][fresh], batch["values"][fresh], batch["response_mask"][fresh])
+    z = schedule.score(residual, error)
+    surprised = schedule.observe(residual, error)
     if surprised:
         worker.restart_average()
-    scale = schedule.next_lr_scale()
-    return {"surprise/error": error, "surprise/reacted": float(surprised), "surprise/lr_scale": scale}
+    reacting = float(schedule.reacting())
+    return {
+        "surprise/residual": residual,
+        "surprise/z": z,
+        "surprise/reacted": float(surprised),
+        "surprise/reacting": reacting,
+    }

@@ -83,7 +83,8 @@ def test_recent_batches_are_replayed_more_often():
 
 def test_resume_replays_the_same_rows_and_trains_the_same(tmp_path, monkeypatch):
     drift = ["task.drift=step", "task.drift_start=3", "task.target_prob=0.05", "task.drift_to=0.95"]
-    extra = ["trainer.replay_rows=4", "trainer.surprise_ratio=3", "trainer.surprise_steps=2", *drift]
+    sizes = ["trainer.rollout_batch_size=32", "critic.ppo_mini_batch_size=16", "critic.ppo_micro_batch_size_per_gpu=16"]
+    extra = [*sizes, "trainer.replay_rows=16", "trainer.surprise_z=5", "trainer.surprise_steps=2", *drift]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(config(*extra, f"trainer.run_dir={straight}"), out=io.StringIO())
     calls, original = {"n": 0}, train_mod._iteration
@@ -100,8 +101,8 @@ def test_resume_replays_the_same_rows_and_trains_the_same(tmp_path, monkeypatch)
     monkeypatch.setattr(train_mod, "_iteration", original)
     train(config(*extra, f"trainer.run_dir={resumed}"), out=io.StringIO())
     rows = {p: [json.loads(r) for r in (p / "metrics.jsonl").read_text().splitlines()] for p in (straight, resumed)}
-    assert [r["replay/rows"] for r in rows[straight]] == [0, 4, 4, 4, 4, 4]
-    # the policy's step at the fourth batch (its error ~10× the mean) surprises only a schedule that resumed its state
+    assert [r["replay/rows"] for r in rows[straight]] == [0, 16, 16, 16, 16, 16]
+    # the policy's step at the fourth batch surprises only a schedule that resumed its state (its running mean)
     assert [r["surprise/reacted"] for r in rows[straight]] == [0, 0, 0, 1, 0, 0]
     assert [without_timings(r) for r in rows[straight]] == [without_timings(r) for r in rows[resumed]]
 
@@ -112,7 +113,8 @@ def test_resume_replays_the_same_rows_and_trains_the_same(tmp_path, monkeypatch)
         (["trainer.replay_rows=6"], r"trainer.replay_rows=6 must be 0 \(off\) or a multiple of critic.ppo_mini_batch"),
         (["trainer.replay_rows=4", "trainer.replay_decay=0"], r"trainer.replay_decay=0.0 in \(0, 1\]"),
         (["trainer.replay_window=0"], r"trainer.replay_window=0 must be >= 1"),
-        (["trainer.surprise_ratio=1"], r"trainer.surprise_ratio=1.0 must be a number > 1"),
+        (["trainer.surprise_z=0"], r"trainer.surprise_z=0.0 must be a number of standard errors > 0, or null"),
+        (["trainer.surprise_mc_targets=1"], r"trainer.surprise_mc_targets=1 must be true or false"),
         (["trainer.surprise_lr_scale=0"], r"trainer.surprise_lr_scale=0.0 a number > 0"),
     ],
 )

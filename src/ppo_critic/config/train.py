@@ -87,14 +87,17 @@ class TrainerConfig:
     """earlier batches replay_rows draws from"""
     replay_decay: float = 0.5
     """in (0, 1]: a batch a iterations old is drawn with weight replay_decay^(a−1) (1: the window alike)"""
-    surprise_ratio: float | None = None
-    """when a fresh batch's squared error before its update exceeds this multiple of its running mean (the policy
-    moved), the weight average starts over from the live weights and the next surprise_steps updates run at
-    surprise_lr_scale × the rate; null: off (docs/QUALITY.md)"""
+    surprise_z: float | None = None
+    """when the mean residual (targets − values) of a fresh batch, before its update, jumps more than this many
+    standard errors from its running mean (the policy moved), the weight average starts over from the live weights
+    and the next surprise_steps updates run at surprise_lr_scale × the rate; null: off (docs/QUALITY.md)"""
     surprise_steps: int = 20
     """updates at the raised rate after a surprise (and batches scored before the first can be one)"""
     surprise_lr_scale: float = 2.0
     """the factor of the rate after a surprise (1: only restart the average)"""
+    surprise_mc_targets: bool = False
+    """the surprise_steps updates after a surprise regress on Monte-Carlo returns (λ 1), not on returns bootstrapped
+    from values of the policy before it"""
     eval_size: int = 512
     """rollouts evaluated: the built-in task's held-out set (drawn from a separate seed); with data=, at most this
     many of the held-out rows"""
@@ -178,7 +181,7 @@ class TrainConfig:
         for name in ("steps", "rollout_batch_size", "eval_size", "eval_every", "log_every"):
             if getattr(t, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(t, name)} must be >= 1")
-        for name in ("shared_prefix_returns", "eval_live_weights"):
+        for name in ("shared_prefix_returns", "eval_live_weights", "surprise_mc_targets"):
             if not isinstance(getattr(t, name), bool):
                 raise ValueError(f"trainer.{name}={getattr(t, name)!r} must be true or false")
         if t.critic_warmup_steps < 0:
@@ -227,7 +230,7 @@ class TrainConfig:
 
     def _check_moving(self, mini: int) -> None:
         """The levers for a moving policy (`ppo_critic.moving`): a replay window of whole mini-batches of a built-in
-        task, a surprise schedule with a ratio above 1."""
+        task, a surprise schedule with a positive threshold."""
         t = self.trainer
         if t.replay_rows < 0 or t.replay_rows % mini:
             raise ValueError(
@@ -244,9 +247,9 @@ class TrainConfig:
                 f"trainer.replay_window={t.replay_window} must be >= 1 and trainer.replay_decay={t.replay_decay} in "
                 "(0, 1]"
             )
-        ratio = t.surprise_ratio
-        if ratio is not None and not (isinstance(ratio, int | float) and math.isfinite(ratio) and ratio > 1):
-            raise ValueError(f"trainer.surprise_ratio={ratio!r} must be a number > 1 (a rise of the error), or null")
+        z = t.surprise_z
+        if z is not None and not (isinstance(z, int | float) and math.isfinite(z) and z > 0):
+            raise ValueError(f"trainer.surprise_z={z!r} must be a number of standard errors > 0, or null (off)")
         if t.surprise_steps < 1 or not (math.isfinite(t.surprise_lr_scale) and t.surprise_lr_scale > 0):
             raise ValueError(
                 f"trainer.surprise_steps={t.surprise_steps} must be >= 1 and trainer.surprise_lr_scale="

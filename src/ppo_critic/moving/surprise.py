@@ -1,46 +1,67 @@
-"""`trainer.surprise_ratio`: react when the policy the critic values has changed. Each fresh batch is scored before
-the critic trains on it (held out, so its loss is an honest one): the mean squared error of its values against its
-targets. When that error exceeds `ratio` times its running mean, the weight average starts over from the live
-weights (it remembers the old policy), the next `steps` updates run at `lr_scale` times the scheduled rate, and the
-running mean starts over at the surprising error (the new policy's level).
+"""`trainer.surprise_z`: react when the policy the critic values has changed. Each fresh batch is scored before the
+critic trains on it (held out, so honestly): the mean over its rows of their mean residual (targets − values). When
+that mean jumps more than `z` of its standard errors (the rows' spread over √rows) away from its running mean, the
+weight average starts over from the live weights (it remembers the old policy), the next `steps` updates run at
+`lr_scale` times the scheduled rate (and under `trainer.surprise_mc_targets` regress on Monte-Carlo returns, not on
+returns bootstrapped from values of the old policy). Until the reaction ends the running mean follows the residual as
+the critic learns the new policy, so the next surprise is a jump from where it got to.
+
+Why the residual's mean and not the loss: on 0/1 rewards the squared error is mostly the returns' own noise, so a
+change of the values moves it little (recall's step raised it less than 2×, within its batch-to-batch spread),
+while a shift of the values shows in the residual's mean many standard errors wide.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import Tensor
+
 MEMORY = 0.9  # the running mean's decay per iteration: about the last ten batches
 
 
-class SurpriseSchedule:
-    """The running mean of the fresh batches' error and the iterations left at the raised rate."""
+def row_residuals(targets: Tensor, values: Tensor, mask: Tensor) -> tuple[float, float]:
+    """(mean, standard error) over the rows of each row's mean residual `targets − values` on its valid tokens."""
+    tokens = mask.sum(-1).clamp(min=1)
+    rows = ((targets - values) * mask).sum(-1) / tokens
+    spread = rows.std().item() if len(rows) > 1 else 0.0
+    return rows.mean().item(), spread / len(rows) ** 0.5
 
-    def __init__(self, ratio: float, steps: int, lr_scale: float):
-        self.ratio, self.steps, self.lr_scale = ratio, steps, lr_scale
-        self.mean: float | None = None  # the running mean of the error (None before the first batch)
+
+class SurpriseSchedule:
+    """The running mean of the fresh batches' residual and the updates left at the raised rate."""
+
+    def __init__(self, z: float, steps: int, lr_scale: float):
+        self.z, self.steps, self.lr_scale = z, steps, lr_scale
+        self.mean: float | None = None  # the running mean of the residual (None before the first batch)
         self.seen = 0  # batches scored
         self.left = 0  # updates still to run at the raised rate
 
-    def observe(self, error: float) -> bool:
+    def score(self, residual: float, standard_error: float) -> float:
+        """How many standard errors `residual` lies from the running mean (0 before the first batch)."""
+        if self.mean is None:
+            return 0.0
+        return abs(residual - self.mean) / max(standard_error, torch.finfo(torch.float32).tiny)
+
+    def observe(self, residual: float, standard_error: float) -> bool:
         """Score one fresh batch; True when it is a surprise (not during the first `steps` batches, the critic's
-        own early fall of its error, nor while reacting to the last one)."""
-        surprise = (
-            self.mean is not None and self.seen >= self.steps and not self.left and error > self.ratio * self.mean
-        )
-        if surprise or self.mean is None:  # a surprise starts the mean over at the new error: the new regime's level
-            self.mean = error
+        own early learning, nor while reacting to the last one)."""
+        surprise = self.seen >= self.steps and not self.left and self.score(residual, standard_error) > self.z
+        if surprise or self.left or self.mean is None:  # from a surprise to the end of the reaction the mean follows
+            self.mean = residual  # the residual: the new policy's level, moving as the critic learns it
         else:
-            self.mean = MEMORY * self.mean + (1 - MEMORY) * error
+            self.mean = MEMORY * self.mean + (1 - MEMORY) * residual
         self.seen += 1
         self.left = self.steps if surprise else self.left
         return surprise
 
-    def next_lr_scale(self) -> float:
-        """The factor of the next update's rate (one update of the `steps` spent)."""
+    def reacting(self) -> bool:
+        """Whether the next update is one of the `steps` after a surprise (it spends one of them)."""
         if not self.left:
-            return 1.0
+            return False
         self.left -= 1
-        return self.lr_scale
+        return True
 
     def state(self) -> dict[str, Any]:
         return {"surprise": {"mean": self.mean, "seen": self.seen, "left": self.left}}

@@ -59,9 +59,10 @@ ADDED_OPTIONS = {
     "trainer.replay_rows": 0,
     "trainer.replay_window": 4,
     "trainer.replay_decay": 0.5,
-    "trainer.surprise_ratio": None,
+    "trainer.surprise_z": None,
     "trainer.surprise_steps": 20,
     "trainer.surprise_lr_scale": 2.0,
+    "trainer.surprise_mc_targets": False,
 }
 T = TypeVar("T")
 
