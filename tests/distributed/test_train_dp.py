@@ -4,6 +4,7 @@ resume at DP=2 (bit-identical) and at DP=1 (within 1e-6)."""
 from __future__ import annotations
 
 import io
+import json
 import shutil
 
 import torch
@@ -65,3 +66,19 @@ def test_dp2_training_matches_one_process_and_resumes_across_sizes(tmp_path):
     assert result.stdout.count("exported step 4") == 1 and result.stdout.count("moved the previous") == 1
     (aside,) = tmp_path.glob("exported.old-*")
     assert (aside / "notes.txt").read_text() == "user data" and (tmp_path / "exported" / "config.json").is_file()
+
+
+def test_dp2_replays_and_reacts_as_one_process(tmp_path):
+    """trainer.replay_rows and trainer.surprise_z under DP=2: every rank draws the same replayed rows and takes the
+    same decision from the gathered values, so the run is the single process's (bound as above)."""
+    drift = ["task.drift=step", "task.drift_start=3", "task.target_prob=0.05", "task.drift_to=0.95"]
+    levers = ["trainer.replay_rows=4", "trainer.surprise_z=5", "trainer.surprise_steps=1", "trainer.steps=5", *drift]
+    single, dp2 = tmp_path / "single", tmp_path / "dp2"
+    train(load_config(None, [*SHORT, *FSDP2, *levers, f"trainer.run_dir={single}"]), out=io.StringIO())
+    result = torchrun("-m", "ppo_critic", "train", *SHORT, *FSDP2, *levers, f"trainer.run_dir={dp2}")
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = {p: [json.loads(r) for r in (p / "metrics.jsonl").read_text().splitlines()] for p in (single, dp2)}
+    for key in ("replay/rows", "surprise/reacted", "critic/lr"):
+        assert [r[key] for r in rows[single]] == [r[key] for r in rows[dp2]], key
+    assert [r["replay/rows"] for r in rows[dp2]] == [0, 4, 4, 4, 4] and rows[dp2][3]["surprise/reacted"] == 1
+    assert max_diff(weights(single), weights(dp2)) <= 1e-6

@@ -41,6 +41,14 @@ def test_a_jump_of_more_than_z_standard_errors_reacts_for_steps_updates():
     assert schedule.observe(schedule.mean + 1.0, 0.1) is True
 
 
+def test_a_batch_whose_rows_agree_does_not_make_a_small_move_look_large():
+    schedule = SurpriseSchedule(z=4.0, steps=1, lr_scale=2.0)
+    for _ in range(5):
+        schedule.observe(0.0, 0.1)
+    assert schedule.score(0.2, 1e-6) == pytest.approx(2.0)  # 0.2 over the running 0.1, not over the batch's 1e-6
+    assert schedule.score(0.2, 0.01) == pytest.approx(2.0) and schedule.score(0.2, 0.2) == pytest.approx(1.0)
+
+
 def test_the_schedule_round_trips_through_its_state():
     schedule = SurpriseSchedule(z=3.0, steps=2, lr_scale=2.0)
     for residual in (0.0, 0.0, 5.0):
