@@ -207,6 +207,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
                 "on a surprise (z 5) the average restarted, 20 updates on Monte-Carlo targets",
                 SURPRISE_MC,
             ),
+            ("popart_ema_replay96", "PopArt with the weight average, 96 rows replayed per update", [POPART, REPLAY96]),
             (
                 "nonorm_replay96",
                 "no return normalisation, 96 rows replayed per update",
