@@ -94,6 +94,9 @@ def test_lr_scale_raises_one_updates_rate_and_the_schedule_sets_the_next():
     assert worker.update_critic(batch, lr_scale=3.0)["critic/lr"] == pytest.approx(3e-2)
     assert [g["lr"] for g in worker.optimizer.param_groups] == pytest.approx([1e-2, 1e-1])  # the schedule's again
     assert worker.update_critic(batch)["critic/lr"] == pytest.approx(1e-2)
+    with pytest.raises(ValueError):  # a refused batch leaves the scheduled rates, not the raised ones
+        worker.update_critic({k: v for k, v in batch.items() if k != "returns"}, lr_scale=3.0)
+    assert [g["lr"] for g in worker.optimizer.param_groups] == pytest.approx([1e-2, 1e-1])
 
 
 def _head_and_body(worker: CriticWorker) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -8,7 +8,8 @@ The worker takes *global* batch sizes (verl's trainer convention) and hands the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +92,25 @@ class CriticWorker:
         if self.dp_size > 1:
             batch = Batch.from_any(batch)
             batch = batch.index(self._shard(len(batch), self.config.ppo_mini_batch_size * self.config.rollout_n))
-        for group in self.backend.scheduled.param_groups:
-            group["lr"] *= lr_scale
-        with self.offload.resident(model=True, optimizer=True):
+        with self._scaled_rates(lr_scale), self.offload.resident(model=True, optimizer=True):
             metrics = self.critic.update_critic(batch)
-        self.scheduler.step()  # every group's rate from the schedule again
+        self.scheduler.step()
         self.step += 1
         return metrics | (self.critic.last_compute_metrics or {})  # + the perf of the latest compute_values
+
+    @contextlib.contextmanager
+    def _scaled_rates(self, scale: float) -> Iterator[None]:
+        """Every param group's rate times `scale` inside the context, the scheduled rates again after it (also when
+        the update fails)."""
+        groups = self.backend.scheduled.param_groups
+        rates = [group["lr"] for group in groups]
+        for group, rate in zip(groups, rates, strict=True):
+            group["lr"] = rate * scale
+        try:
+            yield
+        finally:
+            for group, rate in zip(groups, rates, strict=True):
+                group["lr"] = rate
 
     def restart_average(self) -> bool:
         """Under `ema_decay`, start the moving average over from the live weights; False without one."""
