@@ -473,15 +473,16 @@ def _iteration(
     batch["returns"] = targets(batch, batch["values"], t, worker.step)
     replayed = len(batch["values"]) - t.rollout_batch_size if t.replay_rows else 0  # ahead of the fresh rows
     reaction = _surprise(worker, schedule, batch, replayed) if schedule is not None else {}
-    if reaction.get("surprise/reacting") and t.surprise_mc_targets:  # no bootstrap from the old policy's values
+    reacting = bool(reaction.get("surprise/reacting"))
+    if reacting and t.surprise_mc_targets:  # no bootstrap from the values of the policy before the change
         batch["returns"] = critic_returns(batch, batch["values"], t, worker.step, monte_carlo=True)
-    metrics = worker.update_critic(batch, lr_scale=t.surprise_lr_scale if reaction.get("surprise/reacting") else 1.0)
+    metrics = worker.update_critic(batch, lr_scale=t.surprise_lr_scale if reacting else 1.0)
     return metrics | reaction | ({"replay/rows": float(replayed)} if t.replay_rows else {})
 
 
 def _surprise(worker: CriticWorker, schedule: SurpriseSchedule, batch: dict[str, Tensor], replayed: int) -> dict:
     """Score the fresh rows' residuals (targets − values) before the update; on a surprise restart the weight
-    average. Returns the metrics, with the rate's factor for this update."""
+    average. Returns the metrics; `surprise/reacting` says whether this update is one of the reaction's."""
     fresh = slice(replayed, None)
     residual, error = row_residuals(batch["returns"][fresh], batch["values"][fresh], batch["response_mask"][fresh])
     z = schedule.score(residual, error)
