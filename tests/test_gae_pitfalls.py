@@ -97,7 +97,7 @@ class _Recorder:
     def compute_values(self, batch):
         return self.values
 
-    def update_critic(self, batch):
+    def update_critic(self, batch, lr_scale=1.0):
         self.seen = batch
         return {}
 
