@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ppo_critic.algos import masked_mean
+
 MEMORY = 0.9  # the running mean's decay per iteration: about the last ten batches
 
 
 def row_residuals(targets: Tensor, values: Tensor, mask: Tensor) -> tuple[float, float]:
     """(mean, standard error) over the rows of each row's mean residual `targets − values` on its valid tokens."""
-    tokens = mask.sum(-1).clamp(min=1)
-    rows = ((targets - values) * mask).sum(-1) / tokens
+    rows = masked_mean(targets - values, mask, axis=-1)
     spread = rows.std().item() if len(rows) > 1 else 0.0
     return rows.mean().item(), spread / len(rows) ** 0.5
 
