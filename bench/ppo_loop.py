@@ -29,6 +29,7 @@ Each finished run is appended to `bench/results/ppo/<task>.json` at once (a run 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import importlib.util
@@ -49,6 +50,7 @@ from ppo_critic.algos import compute_gae_advantage_return, explained_variance, m
 from ppo_critic.cli import load_config
 from ppo_critic.config.train import resolve_model
 from ppo_critic.data.rows import rollout_batch
+from ppo_critic.moving import draw_replay
 from ppo_critic.run.files import write_file, write_with
 from ppo_critic.tasks import TASKS
 from ppo_critic.tasks.common import prefix_mask
@@ -312,6 +314,7 @@ class Critic:
         self.cfg = resolve_model(train_cfg, task.vocab_size, task.prompt_width + task.response_width)
         self.worker = make_worker(self.cfg)
         self.seconds = 0.0
+        self.held: collections.deque[dict[str, Tensor]] = collections.deque(maxlen=self.cfg.trainer.replay_window)
 
     def values(self, batch: dict[str, Tensor]) -> Tensor:
         start = time.perf_counter()
@@ -320,12 +323,26 @@ class Critic:
         return values
 
     def update(self, batch: dict[str, Tensor], values: Tensor) -> None:
-        """`update_critic` on the batch, its targets by the configuration's own recipe."""
+        """`update_critic` on the batch, its targets by the configuration's own recipe; under its `replay_rows`,
+        rows of the last batches go first, valued by the current critic (the built-in trainer's replay)."""
         start = time.perf_counter()
+        fresh, t = batch, self.cfg.trainer
+        replayed = self.replayed()
+        if replayed:
+            values = torch.cat([self.worker.compute_values(replayed), values])
+            batch = {key: torch.cat([replayed[key], value]) for key, value in batch.items()}
         batch = {**batch, "values": values}
-        batch["returns"] = critic_returns(batch, values, self.cfg.trainer, self.worker.step)
+        batch["returns"] = critic_returns(batch, values, t, self.worker.step)
         self.worker.update_critic(batch)
+        if t.replay_rows:
+            self.held.append(fresh)
         self.seconds += time.perf_counter() - start
+
+    def replayed(self) -> dict[str, Tensor]:
+        """`replay_rows` rows of the held batches (none when it is 0), drawn as the built-in trainer draws them."""
+        t = self.cfg.trainer
+        generator = torch.Generator().manual_seed(t.seed * 1_000_003 + self.worker.step)
+        return draw_replay(list(self.held), t.replay_rows, t.replay_decay, self.cfg.critic.rollout_n, generator)
 
 
 class Loop:
@@ -459,7 +476,7 @@ METHODS = {  # name -> LoopConfig overrides
 }
 LEVERS = {  # the default recipe with one lever changed (bench/ablation.py's names): screened with --methods
     f"ppo-critic_{lever}": {"method": f"{DEFAULT_CRITIC}_{lever}"}
-    for lever in ("nonorm", "noema", "nonorm_noema", "popart_ema")
+    for lever in ("nonorm", "noema", "nonorm_noema", "popart_ema", "popart_ema_replay96")
 }
 
 

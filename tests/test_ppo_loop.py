@@ -119,3 +119,22 @@ def test_a_critic_run_probes_the_critic_against_monte_carlo_values_and_times_it(
     unprobed = loop.run(small(loop, method="critic:batch_alpha0.5_lr5e-4", iterations=2, eval_every=2, probe_every=9))
     assert unprobed["live_probes"][0]["step"] == 1 and len(unprobed["live_probes"]) == 1
     assert unprobed["curve"] == result["curve"]
+
+
+def test_a_replay_configuration_trains_rows_of_the_last_batches_first_valued_by_the_current_critic(loop, tmp_path):
+    cfg = small(loop, method="critic:batch_alpha0.5_lr5e-4_popart_ema_replay96", iterations=3)
+    run = loop.Loop(cfg, str(tmp_path))
+    worker, seen = run.critic.worker, []
+    update = worker.update_critic
+    worker.update_critic = lambda batch: seen.append({k: v.clone() for k, v in batch.items()}) or update(batch)
+    for step in (1, 2, 3):
+        run.iteration(step)
+    assert [len(batch["input_ids"]) for batch in seen] == [16, 32, 48]  # every held row, up to replay_rows (96)
+    first, second = seen[0]["input_ids"], seen[1]["input_ids"]
+    replayed = second[:16]
+    assert sorted(map(tuple, replayed.tolist())) == sorted(map(tuple, first.tolist()))  # the first batch, first
+    held = sorted(map(tuple, torch.cat([first, second[16:]]).tolist()))
+    assert sorted(map(tuple, seen[2]["input_ids"][:32].tolist())) == held  # both earlier batches' fresh rows
+    rows = torch.tensor([first.tolist().index(row) for row in replayed.tolist()])
+    before = seen[0]["values"].index_select(0, rows)
+    assert not torch.allclose(seen[1]["values"][:16], before)  # valued again, by the trained critic

@@ -2,7 +2,7 @@
 replay window of recent batches (`replay.ReplaySource`) and a schedule that reacts to a jump of the loss on fresh
 rollouts (`surprise.SurpriseSchedule`). Each is an option of `trainer`, off by default; `train` builds them."""
 
-from ppo_critic.moving.replay import ReplaySource
+from ppo_critic.moving.replay import ReplaySource, draw_replay
 from ppo_critic.moving.surprise import SurpriseSchedule
 
-__all__ = ["ReplaySource", "SurpriseSchedule"]
+__all__ = ["ReplaySource", "SurpriseSchedule", "draw_replay"]

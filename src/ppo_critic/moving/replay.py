@@ -38,17 +38,9 @@ class ReplaySource:
         return {key: torch.cat([replayed[key], value]) for key, value in fresh.items()} if replayed else fresh
 
     def _replay(self, step: int) -> dict[str, Tensor]:
-        """Up to `rows` rows of the held batches, whole groups drawn without replacement, recent ones more often
-        (a seeded choice: every rank and a resumed run draw the same)."""
-        if not self.held:
-            return {}
+        """Up to `rows` rows of the held batches (a seeded choice: every rank and a resumed run draw the same)."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        groups = [len(batch["input_ids"]) // self.group for _, _, batch in self.held]
-        ages = torch.cat([torch.full((n,), len(self.held) - i) for i, n in enumerate(groups)])
-        count = min(self.rows // self.group, len(ages))
-        chosen = torch.multinomial(self.decay ** (ages - 1.0), count, generator=generator)
-        rows = (chosen[:, None] * self.group + torch.arange(self.group)).flatten()
-        return {key: torch.cat([batch[key] for _, _, batch in self.held])[rows] for key in self.held[0][2]}
+        return draw_replay([batch for _, _, batch in self.held], self.rows, self.decay, self.group, generator)
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The source's state, the random state of each held batch (a fixed-size tensor: a checkpoint's template)
@@ -68,3 +60,17 @@ class ReplaySource:
             generator = torch.Generator()
             generator.set_state(held_state)
             self.held.append((step, held_state, self.source.draw(step, generator)))
+
+
+def draw_replay(
+    held: list[dict[str, Tensor]], rows: int, decay: float, group: int, generator: torch.Generator
+) -> dict[str, Tensor]:
+    """Up to `rows` rows of the `held` batches (oldest first), whole groups of `group` rows drawn without
+    replacement, a batch `a` batches old with weight `decay`^(a−1); empty when nothing is held."""
+    if not held:
+        return {}
+    groups = [len(batch["input_ids"]) // group for batch in held]
+    ages = torch.cat([torch.full((n,), len(held) - i) for i, n in enumerate(groups)])
+    chosen = torch.multinomial(decay ** (ages - 1.0), min(rows // group, len(ages)), generator=generator)
+    picked = (chosen[:, None] * group + torch.arange(group)).flatten()
+    return {key: torch.cat([batch[key] for batch in held])[picked] for key in held[0]}
