@@ -2,8 +2,8 @@
 critic at TP=1/PP=1 (DP=4), TP=2, PP=2, TP=2×PP=2 and PP=4×VPP=2 — and at TP=2 as verl's megatron worker builds
 and calls it (no calculate_per_token_loss; update_critic(dataloader=...)) — gives the data-parallel critic's
 values, update and metrics (and with `ema_decay` the values after the update), with fixed and with dynamic
-micro-batches; the HF -> megatron -> HF round trip is exact; a non-finite gradient skips the step; the exported
-critic loads as an HF model."""
+micro-batches (the latter under PopArt); the HF -> megatron -> HF round trip is exact; a non-finite gradient skips
+the step; the exported critic loads as an HF model."""
 
 from __future__ import annotations
 
@@ -40,11 +40,12 @@ BASE = {
 }
 SGD = {"optimizer": "sgd", "lr": 0.05, "weight_decay": 0.0}
 LLAMA = {"override_config": tiny_config("llama", num_hidden_layers=8, rope_theta=5e5), "value_head_init": "normal:0.3"}
-CONFIGS = {  # Qwen2 + the distributed optimizer (Adam) + fixed micro-batches; Llama + plain SGD + dynamic ones
+CONFIGS = {  # Qwen2 + the distributed optimizer (Adam) + fixed micro-batches; Llama + plain SGD + dynamic ones + PopArt
     "fixed": BASE,
     "dynamic": BASE
     | {
         "use_dynamic_bsz": True,
+        "value_norm": "popart",  # the head rescaled on the last stage only, the live one and the average's
         "loss_agg_mode": "seq-mean-token-sum-norm",
         "optim": SGD,
         "megatron": {},

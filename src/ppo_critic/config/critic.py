@@ -382,13 +382,10 @@ class CriticConfig:
                 "row with the whole row's sequence bounds; leave attn_implementation null (ppo-critic's varlen "
                 "attention, which swaps sequence for head shards first)"
             )
-        if self.strategy == "megatron":
-            if self.ulysses_sequence_parallel_size != 1:
-                errors.append(
-                    "ulysses_sequence_parallel_size must be 1 with strategy=megatron (use megatron's tensor parallel)"
-                )
-            if self.value_norm == "popart":
-                errors.append("value_norm=popart is not supported with strategy=megatron yet; use running or off")
+        if self.strategy == "megatron" and self.ulysses_sequence_parallel_size != 1:
+            errors.append(
+                "ulysses_sequence_parallel_size must be 1 with strategy=megatron (use megatron's tensor parallel)"
+            )
         return errors
 
     def worker_errors(self) -> list[str]:

@@ -297,7 +297,8 @@ class PPOCriticBase:
             merged = norm.update(returns, mask, self.all_reduce, head)
         if merged and self.ema is not None:
             with self.averaged_weights(), self._value_head() as head:
-                preserve_outputs(head, before.mean, before.std, norm.mean, norm.std)
+                if head is not None:  # a rank that holds the head
+                    preserve_outputs(head, before.mean, before.std, norm.mean, norm.std)
 
     @contextlib.contextmanager
     def averaged_weights(self) -> Iterator[None]:
@@ -326,8 +327,9 @@ class PPOCriticBase:
     def _reshard(self) -> None:
         """Make the parameters `ParameterEMA` edits the ones in use (nothing to do unless a wrapper caches them)."""
 
-    def _value_head(self) -> contextlib.AbstractContextManager[torch.nn.Linear]:
-        """The model's `Linear(hidden, 1)` value head, editable in place inside the context (for PopArt)."""
+    def _value_head(self) -> contextlib.AbstractContextManager[torch.nn.Linear | None]:
+        """The model's `Linear(hidden, 1)` value head, editable in place inside the context (for PopArt); None on a
+        rank that holds none (a pipeline stage before the last)."""
         raise NotImplementedError(f"{type(self).__name__} does not support value_norm=popart")
 
     def check_token_ids(self, batch: Batch) -> None:

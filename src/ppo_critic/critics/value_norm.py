@@ -83,9 +83,9 @@ class ValueNormalizer:
         head: nn.Linear | None = None,
     ) -> bool:
         """Merge the valid `returns` (summed over ranks by `all_reduce`) into the statistics; with PopArt, rescale
-        `head` so that its de-normalised outputs are unchanged. A no-op when off, when nothing is valid, and before
-        the statistics have started when these returns do not vary (module docstring). Returns whether they
-        merged (and so moved)."""
+        `head` so that its de-normalised outputs are unchanged (None: this rank holds no head, e.g. a pipeline
+        stage before the last). A no-op when off, when nothing is valid, and before the statistics have started
+        when these returns do not vary (module docstring). Returns whether they merged (and so moved)."""
         if not self.enabled:
             return False
         valid = mask.bool()
@@ -104,9 +104,7 @@ class ValueNormalizer:
         new_var = (held * self.var + n * batch_var + delta**2 * held * n / merged) / merged
         old_mean, old_std = self.mean, self.std
         self.count, self.mean, self.var = merged, new_mean, new_var
-        if self.mode == "popart":
-            if head is None:
-                raise ValueError("value_norm=popart needs the model's value head to rescale")
+        if self.mode == "popart" and head is not None:
             preserve_outputs(head, old_mean, old_std, self.mean, self.std)
         return True
 

@@ -10,9 +10,10 @@ stage and are broadcast over the pipeline group.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -125,11 +126,18 @@ class MegatronPPOCritic(PPOCriticBase):
         self.vocab_size = getattr(unwrap(chunks[0]), "vocab_size", None)
         shape, world = ModelShape.from_megatron(self.tf_config), torch.distributed.get_world_size()
         self.perf = Perf(shape, world, self.device, self.tf_config.params_dtype)
-        self.value_norm = ValueNormalizer.of(self.config, self.device)  # popart is rejected by the config
+        self.value_norm = ValueNormalizer.of(self.config, self.device)
         # averaged per rank over its TP/PP slice: the model parameters, not the optimizer's main copies (which
         # rewrite the model parameters at its next step anyway, so swapping the average in and out is safe)
         decay = self.config.ema_decay
         self.ema = ParameterEMA(nn.ModuleList(chunks), decay, self.config.ema_warmup) if decay else None
+
+    @contextlib.contextmanager
+    def _value_head(self) -> Iterator[nn.Linear | None]:
+        """The fp32 value head on the last pipeline stage (None on the others): PopArt edits it in place, which the
+        optimizer keeps, since megatron's optimizers step fp32 parameters in place (the distributed one through
+        views of them); it is replicated over TP and DP, and every rank applies the same edit."""
+        yield unwrap(self.critic_module[-1]).output_layer if self.is_last_stage else None
 
     def make_minibatch_iterator(self, data: Any) -> list[Any]:
         """verl's megatron worker asks for this and hands it to `update_critic(dataloader=...)`: the whole batch, which
