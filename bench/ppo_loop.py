@@ -334,7 +334,7 @@ class Critic:
         batch = {**batch, "values": values}
         batch["returns"] = critic_returns(batch, values, t, self.worker.step)
         self.worker.update_critic(batch)
-        if t.replay_rows:
+        if self.cfg.replayed_rows():
             self.held.append(fresh)
         self.seconds += time.perf_counter() - start
 
@@ -342,7 +342,8 @@ class Critic:
         """`replay_rows` rows of the held batches (none when it is 0), drawn as the built-in trainer draws them."""
         t = self.cfg.trainer
         generator = torch.Generator().manual_seed(t.seed * 1_000_003 + self.worker.step)
-        return draw_replay(list(self.held), t.replay_rows, t.replay_decay, self.cfg.critic.rollout_n, generator)
+        rows, group = self.cfg.replayed_rows(), self.cfg.critic.rollout_n
+        return draw_replay(list(self.held), rows, t.replay_decay, group, generator)
 
 
 class Loop:
@@ -465,6 +466,8 @@ def run(cfg: LoopConfig) -> dict:
 # The suite: every method on a task, several seeds; tables from the result files
 
 
+# the recipe `ppo-critic` names: the default of `ppo-critic train` until 2026-12-05 (running statistics, no replay);
+# today's default is the lever `ppo-critic_popart_ema_replay96`
 DEFAULT_CRITIC = "critic:batch_alpha0.5_lr5e-4"
 METHODS = {  # name -> LoopConfig overrides
     "ppo-critic": {"method": DEFAULT_CRITIC},

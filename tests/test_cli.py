@@ -40,8 +40,9 @@ def test_train_help_lists_every_option_with_its_default(capsys):
         "task.min_count=2",
         "critic.optim.lr=0.0005",
         "critic.ema_decay=0.9",
-        "critic.value_norm=running",
+        "critic.value_norm=popart",
         "trainer.length_adaptive_alpha=0.5",
+        "trainer.replay_rows=auto",
     ):
         assert line in text
     assert "trainer.resume=auto" in text

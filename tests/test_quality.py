@@ -4,6 +4,7 @@ shuffling, and the built-in trainer's critic warmup."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -246,15 +247,15 @@ def test_ppo_epochs_reshuffle_every_epoch_deterministically(tiny_qwen2):
 
 
 def test_megatron_names_the_quality_options_it_does_not_support():
-    cfg = {"strategy": "megatron", "value_norm": "popart", "model": {"lora_rank": 4, "value_head_dtype": "bfloat16"}}
+    cfg = {"strategy": "megatron", "model": {"lora_rank": 4, "value_head_dtype": "bfloat16"}}
     with pytest.raises(ValueError) as info:
         worker_config(cfg)
     text = str(info.value)
-    assert "value_norm=popart is not supported with strategy=megatron" in text
     assert "lora_rank > 0 (LoRA) is not supported with strategy=megatron" in text
     assert "the megatron value head is always float32" in text
-    # backend-independent, or what megatron does anyway
+    # backend-independent, or what megatron does anyway (PopArt: tests/distributed/test_megatron.py)
     worker_config({"strategy": "megatron", "vf_loss_type": "huber", "value_norm": "running"})
+    worker_config({"strategy": "megatron", "value_norm": "popart", "ema_decay": 0.9})
     worker_config({"strategy": "megatron", "model": {"value_head_dtype": "float32"}})
 
 
@@ -327,7 +328,7 @@ def test_the_ablations_larger_model_and_profiled_work():
     from ppo_critic.cli import load_config
 
     ablation = _ablation()
-    for name in ("verl_lr3e-4", ablation.DEFAULT, "truth_default"):
+    for name in ("verl_lr3e-4", ablation.RUNNING_DEFAULT, "truth_default"):
         small, large = (load_config(None, ablation.CONFIGS[n][1]) for n in (name, name + ablation.LARGER))
         shape = large.critic.model.override_config
         assert (shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]) == (128, 512, 4)
@@ -357,11 +358,17 @@ def test_the_ablation_baselines_are_verls_critic_whatever_ppo_critic_train_defau
         t = cfg.trainer
         assert (t.lam, t.length_adaptive_alpha, t.critic_warmup_steps, t.rollout_batch_size) == (1.0, None, 0, 192)
     default, train = load_config(None, ablation.CONFIGS[ablation.DEFAULT][1]), load_config(None, [])
-    assert default.critic == train.critic and default.trainer == train.trainer
+    assert default.critic == train.critic
+    assert dataclasses.replace(default.trainer, replay_rows="auto") == train.trainer  # 96 rows: what auto gives
     assert sorted(ablation.SUITE) == sorted(TASK_CONFIGS)
     for name, task in ablation.SUITE.items():
         cfg = load_config(None, ablation.overrides_of("previous", name))
         assert cfg.task["name"] == name and task.steps % task.eval_every == 0
+        ours, auto = (
+            load_config(None, [*ablation.overrides_of(c, name), *rows])
+            for c, rows in ((ablation.DEFAULT, []), (ablation.RUNNING_DEFAULT, ["trainer.replay_rows=auto"]))
+        )
+        assert ours.replayed_rows() == auto.replayed_rows() == 96, name  # on every suite task
 
 
 def test_the_ablations_ceiling_regresses_on_the_true_values():
@@ -381,7 +388,7 @@ def test_the_ablations_ceiling_regresses_on_the_true_values():
     assert ablation.targets_of(ablation.DEFAULT, cfg) is critic_returns  # what `ppo-critic train` regresses on
     truths = {f"truth_lr{lr}" for lr in ablation.BASELINE_LRS} | {"truth_default"}
     assert truths | {"truth_default" + ablation.LARGER} == ablation.TRUTH
-    assert ablation.CONFIGS["truth_default"][1] == ablation.CONFIGS[ablation.DEFAULT][1]
+    assert ablation.CONFIGS["truth_default"][1] == ablation.CONFIGS[ablation.RUNNING_DEFAULT][1]
 
 
 def test_the_exact_bootstrap_configurations_bootstrap_from_the_true_values():

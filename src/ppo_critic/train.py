@@ -351,10 +351,10 @@ def make_source(cfg: TrainConfig) -> TaskSource | FileSource | ReplaySource:
     `trainer.replay_rows`."""
     if cfg.data:
         return FileSource(cfg)
-    t, source = cfg.trainer, TaskSource(cfg)
-    if not t.replay_rows:
+    t, source, rows = cfg.trainer, TaskSource(cfg), cfg.replayed_rows()
+    if not rows:
         return source
-    return ReplaySource(source, t.replay_rows, t.replay_window, t.replay_decay, cfg.critic.rollout_n, t.seed)
+    return ReplaySource(source, rows, t.replay_window, t.replay_decay, cfg.critic.rollout_n, t.seed)
 
 
 Source = TaskSource | FileSource | ReplaySource
@@ -471,13 +471,14 @@ def _iteration(
     batch = source.next_batch()
     batch["values"] = worker.compute_values(batch)
     batch["returns"] = targets(batch, batch["values"], t, worker.step)
-    replayed = len(batch["values"]) - t.rollout_batch_size if t.replay_rows else 0  # ahead of the fresh rows
+    replaying = isinstance(source, ReplaySource)
+    replayed = source.replayed if replaying else 0  # rows ahead of the fresh ones
     reaction = _surprise(worker, schedule, batch, replayed) if schedule is not None else {}
     reacting = bool(reaction.get("surprise/reacting"))
     if reacting and t.surprise_mc_targets:  # no bootstrap from the values of the policy before the change
         batch["returns"] = critic_returns(batch, batch["values"], t, worker.step, monte_carlo=True)
     metrics = worker.update_critic(batch, lr_scale=t.surprise_lr_scale if reacting else 1.0)
-    return metrics | reaction | ({"replay/rows": float(replayed)} if t.replay_rows else {})
+    return metrics | reaction | ({"replay/rows": float(replayed)} if replaying else {})
 
 
 def _surprise(worker: CriticWorker, schedule: SurpriseSchedule, batch: dict[str, Tensor], replayed: int) -> dict:

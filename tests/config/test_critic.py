@@ -324,13 +324,16 @@ def test_betas_built_in_code_are_checked_without_a_type_error():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"trainer": {"eval_size": 10**10}}, "trainer.eval_size=10000000000: 10000000192 rollouts (192 a step, 1000"),
+        ({"trainer": {"eval_size": 10**10}}, "trainer.eval_size=10000000000: 10000001056 rollouts (192 a step, 1000"),
         (
             {"trainer": {"rollout_batch_size": 2**40}, "critic": {"ppo_mini_batch_size": 64}},
-            "trainer.rollout_batch_size=1099511627776: 1099511628288 rollouts (1099511627776 a step, 512 held out)",
+            "trainer.rollout_batch_size=1099511627776: 6047313953280 rollouts (1099511627776 a step, 512 held out",
         ),
-        ({"task": {"max_prompt_len": 10**8}}, "task.max_prompt_len=100000000: 704 rollouts (192 a step, 512 held out)"),
-        ({"task": {"name": "recall", "max_distractors": 10**9}}, "task.max_distractors=1000000000: 704 rollouts"),
+        (
+            {"task": {"max_prompt_len": 10**8}},
+            "task.max_prompt_len=100000000: 1568 rollouts (192 a step, 512 held out, 864 replayed or held",
+        ),
+        ({"task": {"name": "recall", "max_distractors": 10**9}}, "task.max_distractors=1000000000: 1568 rollouts"),
         (
             {"trainer": {"replay_rows": 192, "replay_window": 10**9}},
             "trainer.replay_window=1000000000: 192000000896 rollouts (192 a step, 512 held out, 192000000192 replayed",

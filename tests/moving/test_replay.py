@@ -110,7 +110,8 @@ def test_resume_replays_the_same_rows_and_trains_the_same(tmp_path, monkeypatch)
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        (["trainer.replay_rows=6"], r"trainer.replay_rows=6 must be 0 \(off\) or a multiple of critic.ppo_mini_batch"),
+        (["trainer.replay_rows=6"], r"trainer.replay_rows=6 must be auto, 0 \(off\) or a multiple of critic.ppo_mini"),
+        (["trainer.replay_rows=half"], r"trainer.replay_rows='half' must be auto, 0 \(off\) or a multiple of"),
         (["trainer.replay_rows=4", "trainer.replay_decay=0"], r"trainer.replay_decay=0.0 in \(0, 1\]"),
         (["trainer.replay_window=0"], r"trainer.replay_window=0 must be >= 1"),
         (["trainer.surprise_z=0"], r"trainer.surprise_z=0.0 must be a number of standard errors > 0, or null"),
@@ -125,6 +126,26 @@ def test_bad_settings_name_the_key(changes, message):
 
 def test_a_rollout_file_is_not_replayed(tmp_path):
     data = tmp_path / "rollouts.jsonl"
-    data.write_text('{"prompt_ids": [1, 2], "response_ids": [3, 4], "rewards": [0, 1]}\n')
+    data.write_text('{"prompt_ids": [1, 2], "response_ids": [3, 4], "reward": 1}\n' * 20)
     with pytest.raises(ValueError, match=r"trainer.replay_rows replays a built-in task's batches; with data="):
         config(f"data={data}", "trainer.replay_rows=4")
+    cfg = config(f"data={data}")  # the default (auto): no replay, no error
+    assert cfg.trainer.replay_rows == "auto" and cfg.replayed_rows() == 0
+    assert not isinstance(make_source(cfg), ReplaySource)
+
+
+@pytest.mark.parametrize(
+    ("changes", "rows"),
+    [
+        ([], 4),  # half of 8 rows, one mini-batch of 4
+        (["trainer.rollout_batch_size=16"], 8),
+        (["trainer.rollout_batch_size=20"], 8),  # half is 10: whole mini-batches, rounded down
+        (["trainer.rollout_batch_size=4"], 4),  # at least one mini-batch
+        (["trainer.replay_rows=0"], 0),
+        (["trainer.replay_rows=12"], 12),
+    ],
+)
+def test_auto_replays_half_the_batch_in_whole_mini_batches_on_a_built_in_task(changes, rows):
+    cfg = config(*changes)
+    assert cfg.replayed_rows() == rows
+    assert isinstance(make_source(cfg), ReplaySource) == bool(rows)

@@ -32,6 +32,7 @@ MAX_TIMEOUT_S = 100 * 365 * 24 * 3600.0
 # a rollout batch holds at least input_ids, attention_mask and position_ids over every token, int64 each
 TOKEN_BYTES = 3 * 8
 MIN_ROW_TOKENS = 2  # a rollout row has at least one prompt token and one response token
+REPLAY_AUTO = "auto"  # trainer.replay_rows chosen by the rollout source (TrainConfig.replayed_rows)
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # cgroup v2, v1
 # the model of a run without critic.model.path (vocab_size: the rollouts'), see resolve_model
 DEFAULT_MODEL = {
@@ -79,10 +80,11 @@ class TrainerConfig:
     """a response position whose state (the attended tokens before it) other rows of the batch share gets the mean
     of their returns as its target: with critic.rollout_n > 1 a group's prompt and common first tokens; the same
     expectation with less noise (docs/QUALITY.md, issue 41's group screen)"""
-    replay_rows: int = 0
+    replay_rows: int | str = "auto"
     """rows of the last replay_window batches trained on ahead of each fresh batch (a multiple of
     critic.ppo_mini_batch_size × rollout_n; 0: off): more of the critic's work per rollout, recent rows more often;
-    their values and targets are recomputed with the current critic; built-in tasks only (docs/QUALITY.md)"""
+    their values and targets are recomputed with the current critic; built-in tasks only. auto: half of
+    rollout_batch_size in whole mini-batches (at least one) on a built-in task, 0 with data= (docs/QUALITY.md)"""
     replay_window: int = 4
     """earlier batches replay_rows draws from"""
     replay_decay: float = 0.5
@@ -143,13 +145,14 @@ class TrainerConfig:
 
 def _default_critic() -> CriticConfig:
     """The critic of `ppo-critic train`: verl's critic defaults with a rate for a small randomly initialised model,
-    `ema_decay` and running return statistics; with the trainer's length-adaptive λ the recipe that did best on the
-    task suite as a whole (docs/QUALITY.md)."""
+    `ema_decay` and PopArt return statistics (outputs kept while the statistics move, the average's too); with the
+    trainer's length-adaptive λ and replay window the recipe that did best on the task suite, under a moving policy
+    and on a fixed one (docs/QUALITY.md)."""
     return CriticConfig(
         strategy="none",
         ppo_mini_batch_size=96,
         ema_decay=0.9,
-        value_norm="running",
+        value_norm="popart",
         optim=OptimConfig(lr=5e-4),
     )
 
@@ -228,16 +231,26 @@ class TrainConfig:
         t.logger = check_loggers(t.logger)  # known names, without repeats
         self.check_sizes()
 
+    def replayed_rows(self) -> int:
+        """`trainer.replay_rows` in rows, `auto` resolved: half the rollout batch in whole mini-batches (at least
+        one) on a built-in task; 0 with data=, whose rows every pass over the file revisits."""
+        t = self.trainer
+        if t.replay_rows != REPLAY_AUTO:
+            return t.replay_rows
+        mini = self.critic.ppo_mini_batch_size * self.critic.rollout_n
+        return 0 if self.data is not None else max(t.rollout_batch_size // 2 // mini, 1) * mini
+
     def _check_moving(self, mini: int) -> None:
         """The levers for a moving policy (`ppo_critic.moving`): a replay window of whole mini-batches of a built-in
         task, a surprise schedule with a positive threshold."""
         t = self.trainer
-        if t.replay_rows < 0 or t.replay_rows % mini:
+        rows = t.replay_rows
+        if rows != REPLAY_AUTO and (isinstance(rows, bool | str) or rows < 0 or rows % mini):
             raise ValueError(
-                f"trainer.replay_rows={t.replay_rows} must be 0 (off) or a multiple of critic.ppo_mini_batch_size"
+                f"trainer.replay_rows={rows!r} must be auto, 0 (off) or a multiple of critic.ppo_mini_batch_size"
                 f"={self.critic.ppo_mini_batch_size} (× rollout_n={self.critic.rollout_n}): whole mini-batches"
             )
-        if t.replay_rows and self.data is not None:
+        if rows != REPLAY_AUTO and rows and self.data is not None:
             raise ValueError(
                 "trainer.replay_rows replays a built-in task's batches; with data= every pass over the file already "
                 "revisits its rows: set trainer.replay_rows=0"
@@ -273,12 +286,16 @@ class TrainConfig:
                 f"{length}: the task's rows reach at least {tokens} tokens, more than the model's {positions[0]} "
                 f"positions ({positions[1]}); use a model with max_position_embeddings >= {tokens}, or shorter rows"
             )
-        held = t.replay_window * t.rollout_batch_size + t.replay_rows if t.replay_rows else 0  # the replay window
+        replayed = self.replayed_rows()
+        held = t.replay_window * t.rollout_batch_size + replayed if replayed else 0  # the replay window
         parts = {"rollout_batch_size": t.rollout_batch_size, "eval_size": t.eval_size, "replay_window": held}
         rows = sum(parts.values())
         blame = length
-        if batch_bytes(rows, task_row_tokens(type(task_cfg)())[0]) > (host_memory() or math.inf):  # too many rows
+        shortest, memory = task_row_tokens(type(task_cfg)())[0], host_memory() or math.inf
+        if batch_bytes(rows, shortest) > memory:  # too many rows: the largest part, the window only if it alone is
             name = max(parts, key=parts.__getitem__)
+            if name == "replay_window" and batch_bytes(rows - held, shortest) > memory:
+                name = max(("rollout_batch_size", "eval_size"), key=parts.__getitem__)
             blame = f"trainer.{name}={getattr(t, name)}"
         what = f"{rows} rollouts ({t.rollout_batch_size} a step, {t.eval_size} held out"
         what += f", {held} replayed or held to replay)" if held else ")"

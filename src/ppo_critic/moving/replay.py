@@ -23,6 +23,7 @@ class ReplaySource:
     def __init__(self, source: Any, rows: int, window: int, decay: float, group: int, seed: int):
         self.source, self.rows, self.decay, self.group, self.seed = source, rows, decay, group, seed
         self.held: deque[tuple[int, Tensor, dict[str, Tensor]]] = deque(maxlen=window)  # (step, rng state, batch)
+        self.replayed = 0  # rows ahead of the fresh ones in the latest batch
 
     def __getattr__(self, name: str) -> Any:
         if name == "source":  # not set yet (a copy being built): no recursion through it
@@ -35,6 +36,7 @@ class ReplaySource:
         fresh = self.source.next_batch()
         replayed = self._replay(step)
         self.held.append((step, state, dict(fresh)))  # the rollouts as drawn (the trainer adds values and targets)
+        self.replayed = len(replayed["input_ids"]) if replayed else 0
         return {key: torch.cat([replayed[key], value]) for key, value in fresh.items()} if replayed else fresh
 
     def _replay(self, step: int) -> dict[str, Tensor]:
