@@ -153,13 +153,17 @@ def _file_options(yaml_file: Path) -> Any:
     imports or runs code (`CODE_FREE`): opening a run directory's files runs no code, only this command line may."""
     from omegaconf import OmegaConf
 
-    from ppo_critic.run.rundir import CONFIG_FILE, is_run_dir
+    from ppo_critic.run.rundir import ADDED_OPTIONS, CONFIG_FILE, is_run_dir
 
     loaded = OmegaConf.create(read_yaml_options(yaml_file))
     if yaml_file.name == CONFIG_FILE and is_run_dir(yaml_file.resolve().parent) and OmegaConf.is_dict(loaded):
         for key, safe in CODE_FREE.items():
             if OmegaConf.select(loaded, f"critic.model.{key}") is not None:
                 OmegaConf.update(loaded, f"critic.model.{key}", safe, merge=False)
+        absent = object()
+        for key, meant in ADDED_OPTIONS.items():  # what the run meant by a key its version did not have yet
+            if OmegaConf.select(loaded, key, default=absent) is absent:
+                OmegaConf.update(loaded, key, meant, merge=False)
     return loaded
 
 

@@ -204,9 +204,8 @@ def test_popart_needs_a_head_with_a_bias(tiny_qwen2):
         DataParallelPPOCritic({"value_norm": "popart"}, model, torch.optim.SGD(model.parameters(), lr=0.0))
 
 
-def test_megatron_rejects_value_norm():
-    with pytest.raises(ValueError, match="value_norm=popart is not supported with strategy=megatron"):
-        CriticConfig.from_any({"strategy": "megatron", "value_norm": "popart"})
+def test_megatron_takes_popart_and_an_unknown_value_norm_is_refused():
+    assert CriticConfig.from_any({"strategy": "megatron", "value_norm": "popart"}).value_norm == "popart"
     with pytest.raises(ValueError, match="value_norm='batch' is unknown"):
         CriticConfig.from_any({"value_norm": "batch"})
 

@@ -222,8 +222,9 @@ def option_changes(
         listed = "; ".join(f"{k}: {old!r} -> {new!r}{reasons.get(k, '')}" for k, (old, new) in refused.items())
         raise ValueError(
             f"these options differ from the run being resumed in {run_dir} (saved -> now): {listed}. They cannot "
-            f"change mid-run: keep them as saved (see {saved_file}), or start a new run (another trainer.run_dir, "
-            f"or trainer.resume=never --overwrite). Options that may change on resume: {', '.join(changeable)}"
+            f"change mid-run: keep them as saved (see {saved_file}; --config {saved_file} resumes with all of them), "
+            "or start a new run (another trainer.run_dir, or trainer.resume=never --overwrite). Options that may "
+            f"change on resume: {', '.join(changeable)}"
         )
     return differ
 
