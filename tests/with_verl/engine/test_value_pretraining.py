@@ -166,11 +166,12 @@ def test_a_critic_pretrained_on_verls_rollout_dump_gives_its_values_in_verl(sing
     ppo_critic(
         "train", f"data={dump}", f"critic.model.path={model_dir}", f"critic.model.tokenizer_path={tokenizer_dir}",
         f"trainer.run_dir={run}", f"trainer.steps={STEPS}", "trainer.rollout_batch_size=16",
-        "critic.ppo_mini_batch_size=8", "trainer.length_adaptive_alpha=null", "trainer.logger=[jsonl]",
+        "critic.ppo_mini_batch_size=8", "trainer.length_adaptive_alpha=null", "critic.value_norm=running",
+        "trainer.logger=[jsonl]",
         "trainer.progress=false", "trainer.export_hf=false",
     )  # fmt: skip
     critic = yaml.safe_load((run / "config.yaml").read_text())["critic"]
-    assert (critic["value_norm"], critic["ema_decay"]) == ("running", 0.9)  # ppo-critic train's defaults
+    assert (critic["value_norm"], critic["ema_decay"]) == ("running", 0.9)  # docs/verl.md's step 2, the default EMA
     ppo_critic("export", str(run), str(export))
     ppo_critic("values", str(run), f"data={dump}", f"out={values}")
     expected = torch.zeros(data.batch["responses"].shape)
