@@ -340,10 +340,8 @@ class Critic:
 
     def replayed(self) -> dict[str, Tensor]:
         """`replay_rows` rows of the held batches (none when it is 0), drawn as the built-in trainer draws them."""
-        t = self.cfg.trainer
-        generator = torch.Generator().manual_seed(t.seed * 1_000_003 + self.worker.step)
-        rows, group = self.cfg.replayed_rows(), self.cfg.critic.rollout_n
-        return draw_replay(list(self.held), rows, t.replay_decay, group, generator)
+        t, rows, group = self.cfg.trainer, self.cfg.replayed_rows(), self.cfg.critic.rollout_n
+        return draw_replay(list(self.held), rows, t.replay_decay, group, t.seed, self.worker.step)
 
 
 class Loop:

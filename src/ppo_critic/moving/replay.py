@@ -41,8 +41,7 @@ class ReplaySource:
 
     def _replay(self, step: int) -> dict[str, Tensor]:
         """Up to `rows` rows of the held batches (a seeded choice: every rank and a resumed run draw the same)."""
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        return draw_replay([batch for _, _, batch in self.held], self.rows, self.decay, self.group, generator)
+        return draw_replay([batch for _, _, batch in self.held], self.rows, self.decay, self.group, self.seed, step)
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The source's state, the random state of each held batch (a fixed-size tensor: a checkpoint's template)
@@ -65,12 +64,14 @@ class ReplaySource:
 
 
 def draw_replay(
-    held: list[dict[str, Tensor]], rows: int, decay: float, group: int, generator: torch.Generator
+    held: list[dict[str, Tensor]], rows: int, decay: float, group: int, seed: int, step: int
 ) -> dict[str, Tensor]:
     """Up to `rows` rows of the `held` batches (oldest first), whole groups of `group` rows drawn without
-    replacement, a batch `a` batches old with weight `decay`^(a−1); empty when nothing is held."""
+    replacement, a batch `a` batches old with weight `decay`^(a−1), seeded by the run's `seed` and `step` (every
+    rank and a resumed run draw the same); empty when nothing is held."""
     if not held:
         return {}
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     groups = [len(batch["input_ids"]) // group for batch in held]
     ages = torch.cat([torch.full((n,), len(held) - i) for i, n in enumerate(groups)])
     chosen = torch.multinomial(decay ** (ages - 1.0), min(rows // group, len(ages)), generator=generator)
