@@ -70,8 +70,10 @@ def test_preserve_outputs_rescales_weight_and_bias():
 
 
 def test_popart_preserves_the_values_when_the_statistics_move(tiny_qwen2):
-    """A step with learning rate 0: only the statistics (and PopArt's head rescaling) change."""
+    """A step with learning rate 0: only the statistics (and PopArt's head rescaling) change, once they have started
+    (the first merge moves the outputs' mean: the test above)."""
     critic = critic_with(tiny_qwen2, "popart")
+    critic.update_critic(shifted_batch(5, shift=5.0))
     batch = shifted_batch()
     before = critic.compute_values(batch)
     for seed in range(3):
@@ -89,6 +91,7 @@ def test_popart_under_ema_decay_preserves_the_averages_values_and_the_live_ones(
     """PopArt rescales the average's head as well as the live one: with learning rate 0 only the statistics move, so
     the values served (the average's) and the live weights' stay where they were through every update."""
     critic = critic_with(tiny_qwen2, "popart", ema_decay=0.9)
+    critic.update_critic(shifted_batch(5, shift=5.0))  # the statistics start (the outputs' mean moves)
     batch = shifted_batch()
     before = critic.compute_values(batch)
     for seed in range(3):
@@ -129,8 +132,9 @@ def test_loss_is_in_normalised_space_and_metrics_in_raw_space(tiny_qwen2, mode):
     torch.testing.assert_close(norm.mean, returns.mean())
     torch.testing.assert_close(norm.std, returns.std(unbiased=False))
     # lr 0, so the model's output during the step is its output before: the old values (μ=0, σ=1 then), which
-    # PopArt's rescaling carries into normalised space; `running` leaves the output itself in place
-    vpred = (norm.normalise(batch["values"].double()) if mode == "popart" else batch["values"].double())[mask]
+    # PopArt's rescaling carries into normalised space, moved by its first shift; `running` leaves the output in place
+    popart = norm.normalise(batch["values"].double() + norm.start_shift)
+    vpred = (popart if mode == "popart" else batch["values"].double())[mask]
     target = norm.normalise(batch["returns"].double())[mask]
     # the critic computes in float32 what is recomputed here in float64: conftest.FP32_REORDERED for the loss; the
     # explained variance and the mean of the values are float64 sums of the same float32 inputs (rel 1e-6 >> 40·2**-53,
@@ -147,10 +151,56 @@ def test_loss_is_in_normalised_space_and_metrics_in_raw_space(tiny_qwen2, mode):
     assert metrics["critic/value_norm_std"] == pytest.approx(norm.std.item())
 
 
+@pytest.mark.parametrize("ema_decay", [0.0, 0.9])
+def test_popart_moves_the_outputs_mean_to_the_returns_at_the_first_merge(tiny_qwen2, ema_decay):
+    """A fresh head's outputs of order 1 against returns around 50 ± 10: the first merge keeps their deviations and
+    moves their mean to μ (kept at ~0, the critic spent tens of updates learning the scale), the average's and the
+    live weights' alike; every later merge keeps the outputs."""
+    critic = critic_with(tiny_qwen2, "popart", ema_decay=ema_decay)
+    batch = shifted_batch()
+    mask = batch["attention_mask"][:, -5:].bool()
+    batch["values"] = critic.compute_values(batch)
+    critic.update_critic(batch)
+    norm = critic.value_norm
+    shift = norm.mean - batch["values"][mask].double().mean()
+    assert shift.item() > 40
+    expected = torch.where(mask, batch["values"] + shift.float(), 0.0)
+    # PopArt's rescaling, then the bias moved by shift/σ: a few float32 roundings of values ~50 (u·50 ~ 3e-6 each),
+    # inside atol 1e-4 (measured ~4e-6); outputs kept where they were are ~50 away, moved as `running` does ~σ
+    torch.testing.assert_close(critic.compute_values(batch), expected, rtol=1e-5, atol=1e-4)
+    with critic.live_weights():
+        torch.testing.assert_close(critic.compute_values(batch), expected, rtol=1e-5, atol=1e-4)
+    critic.update_critic(shifted_batch(1, scale=3.0, shift=-20.0))
+    assert norm.start_shift.item() == 0
+    # the rescaling of both heads once more (Δμ ~ 35 in the bias): the bound above; a lost one moves them by ~σ
+    torch.testing.assert_close(critic.compute_values(batch), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_popart_keeps_a_trained_heads_outputs_at_the_first_merge(tiny_qwen2):
+    """A head whose outputs already fit the returns (a value-pretrained export, a critic loaded from a run) moves by
+    no more than their mean error (0.1 here, against σ ~10); moved as `running` moves them they would land ~500
+    away."""
+    critic = critic_with(tiny_qwen2, "popart")
+    with critic._value_head() as head, torch.no_grad():
+        head.weight.mul_(10.0)
+        head.bias.fill_(50.0)
+    batch = shifted_batch()
+    mask = batch["attention_mask"][:, -5:].bool()
+    batch["values"] = critic.compute_values(batch)
+    noise = torch.randn(batch["values"].shape, generator=torch.Generator().manual_seed(0))
+    batch["returns"] = batch["values"] + 0.1 + noise
+    critic.update_critic(batch)
+    assert critic.value_norm.mean.item() > 40
+    moved = critic.compute_values(batch)[mask] - batch["values"][mask]
+    # the noise's mean over 40 tokens is ~1/√40 ~ 0.16; 0.5 bounds it at > 3 standard errors
+    assert moved.abs().max().item() < 0.5
+
+
 @pytest.mark.parametrize("mode", ["running", "popart"])
 def test_the_loss_sees_current_returns_and_the_outputs_the_old_values_came_from(tiny_qwen2, mode):
     """Returns normalised by the statistics after the merge; old values by those that served them under `running`
-    (the model's outputs did not move, only their meaning), by the new ones under PopArt (it kept the outputs)."""
+    (the model's outputs did not move, only their meaning), by the new ones under PopArt (it kept the outputs, and
+    moved them by `start_shift` at the first merge)."""
     critic = critic_with(tiny_qwen2, mode)
     seen = []
     original = critic._train_mini_batch
@@ -163,8 +213,9 @@ def test_the_loss_sees_current_returns_and_the_outputs_the_old_values_came_from(
         critic.update_critic(batch)
         norm = critic.value_norm
         old = served if mode == "running" else norm
-        for key, stats in (("returns", norm), ("values", old)):
-            expected = ((batch[key].double() - stats.mean) / stats.std).float()
+        moved = norm.start_shift if mode == "popart" else 0.0  # PopArt's first merge moves the outputs' mean
+        for key, stats, shift in (("returns", norm, 0.0), ("values", old, moved)):
+            expected = ((batch[key].double() + shift - stats.mean) / stats.std).float()
             # the same float64 formula rounded once to float32: equal up to one ulp (assert_close's float32 default)
             torch.testing.assert_close(seen[-1][key][mask], expected[mask])
         assert not torch.equal(served.mean, norm.mean)  # the statistics moved in each call

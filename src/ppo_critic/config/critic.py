@@ -227,7 +227,8 @@ class CriticConfig:
     """δ of the huber loss"""
     value_norm: str | bool = "off"
     """off; running (the model predicts returns normalised by their running mean and std); popart (running, and
-    the head is rescaled when the statistics move). A bare off in YAML reads as false, the same"""
+    the head is rescaled when the statistics move; their first move takes the outputs' mean to the returns'). A
+    bare off in YAML reads as false, the same"""
     value_norm_decay: float = 1.0
     """the weight the return statistics already hold keep at each update: 1 counts every return seen alike; below 1
     they forget, an exponential window of ~1 / (1 − value_norm_decay) updates (for a policy that moves)"""

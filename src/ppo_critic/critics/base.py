@@ -20,7 +20,7 @@ from ppo_critic.config.critic import CriticConfig, RankSizes
 from ppo_critic.critics.ema import ParameterEMA
 from ppo_critic.critics.objectives import ValueObjective, objective_of
 from ppo_critic.critics.perf import ModelShape, PhaseTimer, perf_metrics
-from ppo_critic.critics.value_norm import ValueNormalizer, preserve_outputs
+from ppo_critic.critics.value_norm import ValueNormalizer
 from ppo_critic.data.batch import DIGESTED, MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
 from ppo_critic.data.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_rows
 from ppo_critic.parallel import collectives
@@ -216,6 +216,7 @@ class PPOCriticBase:
         self.set_training(False)
         with self.averaged_weights():
             values = self.value_norm.denormalise(self.objective.values(self._values(batch, groups)))
+        self.value_norm.values_served()
         values = torch.where(batch.response_mask.bool(), values, 0.0).float().cpu()
         replica = self.perf.world_size // self.dp_size  # this rank's share of the devices: the replica's
         tokens, flops = float(sum(batch.lengths())), self.perf.forward_flops(batch)
@@ -258,18 +259,21 @@ class PPOCriticBase:
         and the old values in the model's output space (`ValueNormalizer.normalise_old_values`)."""
         if not self.value_norm.enabled:
             return batch
-        to_returns, to_values = self.target_maps(batch["returns"], batch.response_mask)
+        to_returns, to_values = self.target_maps(batch["returns"], batch.response_mask, batch["values"])
         targets = {"returns": to_returns(batch["returns"]), "values": to_values(batch["values"])}
         return dataclasses.replace(batch, tensors=batch.tensors | targets)
 
-    def target_maps(self, returns: Tensor, mask: Tensor, update: bool = True) -> tuple[ToOutputs, ToOutputs]:
+    def target_maps(
+        self, returns: Tensor, mask: Tensor, values: Tensor | None = None, update: bool = True
+    ) -> tuple[ToOutputs, ToOutputs]:
         """Under `value_norm`, the maps of returns and of old values into the model's output space, after merging
-        the valid `returns` into the statistics (`update`); the old values map by the statistics that served them
-        (`ValueNormalizer.normalise_old_values`). Shared by `update_critic` and verl's engine."""
+        the valid `returns` into the statistics (`update`; the old raw `values` set PopArt's first move); the old
+        values map by the statistics that served them (`ValueNormalizer.normalise_old_values`). Shared by
+        `update_critic` and verl's engine."""
         norm = self.value_norm
         served = norm.snapshot()
         if update:
-            self.update_value_norm(returns, mask)
+            self.update_value_norm(returns, mask, values)
         return norm.normalise, lambda values: norm.normalise_old_values(values, served)
 
     def _metrics(self, metrics: UpdateMetrics, batch: Batch, elapsed_s: float) -> dict[str, float]:
@@ -283,22 +287,21 @@ class PPOCriticBase:
             result |= {"critic/value_norm_mean": mean, "critic/value_norm_std": std}
         return result
 
-    def update_value_norm(self, returns: Tensor, mask: Tensor) -> None:
+    def update_value_norm(self, returns: Tensor, mask: Tensor, values: Tensor | None = None) -> None:
         """Merge the valid `returns` into `value_norm`'s statistics, summed over the DP ranks; under PopArt the
         value head is rescaled so that the critic's raw values do not move — the live head and, under `ema_decay`,
-        the average's (the rescale is affine in the head's weights, so it commutes with averaging them). A no-op
-        when `value_norm` is off."""
+        the average's (the rescale is affine in the head's weights, so it commutes with averaging them); the first
+        merge moves them to the returns' mean from the old `values`' (`ValueNormalizer.update`). A no-op when off."""
         norm = self.value_norm
         if norm.mode != "popart":
             norm.update(returns, mask, self.all_reduce)
             return
         before = norm.snapshot()
         with self._value_head() as head:
-            merged = norm.update(returns, mask, self.all_reduce, head)
+            merged = norm.update(returns, mask, self.all_reduce, head, values)
         if merged and self.ema is not None:
             with self.averaged_weights(), self._value_head() as head:
-                if head is not None:  # a rank that holds the head
-                    preserve_outputs(head, before.mean, before.std, norm.mean, norm.std)
+                norm.carry(head, before)
 
     @contextlib.contextmanager
     def averaged_weights(self) -> Iterator[None]:

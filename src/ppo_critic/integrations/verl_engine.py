@@ -183,6 +183,8 @@ class PPOCriticEngine(BaseEngine):
         results = critic.forward_backward(batch, groups, loss_fn, backward=train)
         self._finite += [torch.isfinite(m.loss) for m in results if m.loss is not None]
         values = map_flat(values_in_order(results, batch["attention_mask"]), self._raw_values)
+        if loss_function is None:  # values served (verl's infer_batch): PopArt's first move is behind them
+            critic.value_norm.values_served()
         return {"model_output": {"values": values}, "loss": report.losses(), "metrics": self._metrics(report, train)}
 
     def _raw_values(self, outputs: Tensor) -> Tensor:
@@ -255,7 +257,8 @@ class PPOCriticEngine(BaseEngine):
         under `value_norm_decay` < 1 each merge also decays what the statistics held, so they forget faster there)."""
         if not self._critic.value_norm.enabled:
             return
-        to_returns, to_values = self._critic.target_maps(flat(data["returns"]), flat(data["response_mask"]), update)
+        returns, mask, values = (flat(data[key]) for key in ("returns", "response_mask", "values"))
+        to_returns, to_values = self._critic.target_maps(returns, mask, values, update)
         data["returns"] = map_flat(data["returns"], to_returns)
         data["values"] = map_flat(data["values"], to_values)
 

@@ -3,8 +3,9 @@
 verl records the SFT policy's rollouts (`trainer.rollout_data_dir`; the file is written here by verl's own trainer
 code) → `ppo-critic train data=<that file>` → `ppo-critic export` → `critic.model.path=<export>` in verl 0.9.1, where
 verl's own fsdp engine and ppo-critic's engine give, on the policy's own token ids, the values `ppo-critic values`
-gives on the dump's rows. The critic keeps `ppo-critic train`'s defaults, `value_norm=running` and `ema_decay=0.9`,
-which the export must carry (folded into the head; the moving average as the weights).
+gives on the dump's rows. The critic keeps `ppo-critic train`'s defaults, `value_norm=popart` and `ema_decay=0.9`,
+which the export must carry (folded into the head; the moving average as the weights): PopArt's first merge moves
+the fresh head's ~0 outputs to the returns' mean (~11), so a short run ends near them.
 """
 
 from __future__ import annotations
@@ -166,12 +167,12 @@ def test_a_critic_pretrained_on_verls_rollout_dump_gives_its_values_in_verl(sing
     ppo_critic(
         "train", f"data={dump}", f"critic.model.path={model_dir}", f"critic.model.tokenizer_path={tokenizer_dir}",
         f"trainer.run_dir={run}", f"trainer.steps={STEPS}", "trainer.rollout_batch_size=16",
-        "critic.ppo_mini_batch_size=8", "trainer.length_adaptive_alpha=null", "critic.value_norm=running",
+        "critic.ppo_mini_batch_size=8", "trainer.length_adaptive_alpha=null",
         "trainer.logger=[jsonl]",
         "trainer.progress=false", "trainer.export_hf=false",
     )  # fmt: skip
     critic = yaml.safe_load((run / "config.yaml").read_text())["critic"]
-    assert (critic["value_norm"], critic["ema_decay"]) == ("running", 0.9)  # docs/verl.md's step 2, the default EMA
+    assert (critic["value_norm"], critic["ema_decay"]) == ("popart", 0.9)  # docs/verl.md's step 2: the defaults
     ppo_critic("export", str(run), str(export))
     ppo_critic("values", str(run), f"data={dump}", f"out={values}")
     expected = torch.zeros(data.batch["responses"].shape)
