@@ -233,6 +233,21 @@ def test_a_move_of_the_statistics_clips_no_token_of_an_unchanged_model(tiny_qwen
     assert metrics["critic/vf_clipfrac"] == 0.0 and metrics["critic/grad_norm"] > 0
 
 
+def test_old_values_served_before_popart_moved_the_outputs_are_clipped_around_the_moved_ones(tiny_qwen2):
+    """Values of two batches served before the first update (verl's engine: the mini-batches of one call): the
+    second update's old values came from the unmoved outputs too, so they are compared at their value + the
+    first merge's shift (~50 here, ~5σ: without it every token is clipped, as on the first batch before issue 39)."""
+    critic = critic_with(tiny_qwen2, "popart", cliprange_value=0.5)
+    first, second = shifted_batch(0), shifted_batch(1)
+    for batch in (first, second):
+        batch["values"] = critic.compute_values(batch)
+    metrics = [critic.update_critic(batch) for batch in (first, second)]
+    assert critic.value_norm.start_shift.item() > 40
+    assert [m["critic/vf_clipfrac"] for m in metrics] == [0.0, 0.0]
+    critic.compute_values(first)  # values served from the moved outputs: no shift for them
+    assert critic.value_norm.start_shift.item() == 0
+
+
 def test_running_normalisation_fits_large_returns_where_raw_regression_cannot(tiny_qwen2):
     """Returns around 1000 ± 100: normalised, the model's outputs of order 1 map onto them at once; raw, 30 Adam
     steps of lr 3e-3 move the outputs by far less than 1000. (PopArt would first preserve the outputs near 0.)"""

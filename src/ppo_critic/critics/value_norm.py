@@ -109,7 +109,8 @@ class ValueNormalizer:
         before = self.snapshot()
         self._merge(n, batch_mean, batch_var)
         if self.mode == "popart":
-            self.start_shift = self._first_shift(values, valid, all_reduce) if first else self.start_shift * 0
+            if first:  # kept until values are served again: values served before it were the unmoved outputs
+                self.start_shift = self._first_shift(values, valid, all_reduce)
             self.carry(head, before)
         return True
 
@@ -133,11 +134,11 @@ class ValueNormalizer:
 
     def carry(self, head: nn.Linear | None, before: ValueNormalizer) -> None:
         """PopArt's edit of a value `head` (None: nothing to edit) for the statistics' move from `before` to now:
-        its de-normalised outputs kept, then moved by `start_shift`."""
+        its de-normalised outputs kept, then at the first merge moved by `start_shift`."""
         if head is None:
             return
         preserve_outputs(head, before.mean, before.std, self.mean, self.std)
-        if self.start_shift.item() != 0:
+        if before.count.item() == 0 and self.start_shift.item() != 0:
             with torch.no_grad():
                 head.bias.add_((self.start_shift / self.std).to(head.bias.dtype))
 

@@ -183,7 +183,7 @@ class PPOCriticEngine(BaseEngine):
         results = critic.forward_backward(batch, groups, loss_fn, backward=train)
         self._finite += [torch.isfinite(m.loss) for m in results if m.loss is not None]
         values = map_flat(values_in_order(results, batch["attention_mask"]), self._raw_values)
-        if loss_function is None:  # values served (verl's infer_batch): PopArt's first move is behind them
+        if not train:  # values served (verl's infer_batch): PopArt's first move is behind them
             critic.value_norm.values_served()
         return {"model_output": {"values": values}, "loss": report.losses(), "metrics": self._metrics(report, train)}
 
