@@ -52,13 +52,13 @@ RESUMED = {"ema_ddp", "ema_fsdp2"}  # also saved, loaded into a fresh worker and
 
 def batches() -> list[dict[str, torch.Tensor]]:
     """Global batches of 16 rows: all-zero returns (no spread: the statistics do not start, issue 39), constant
-    returns on each rank that differ between the ranks (0 on rank 0's rows, 2 on rank 1's: spread only over both,
-    so the statistics start; PopArt's first merge is decided on both ranks' errors: rank 0's alone would keep its
-    outputs, rank 1's would not), then two whose returns are far from the initial values (the statistics move)."""
+    returns on each rank that differ between the ranks (10 on rank 0's rows, 12 on rank 1's: spread only over both,
+    so the statistics start; ~11σ from the outputs, so PopArt's first merge moves them by μ minus the old values'
+    mean over both ranks), then two whose returns are far from the initial values (the statistics move)."""
     zeros, halves = make_batch(16, 6, 5, seed=2), make_batch(16, 6, 5, seed=3)
     zeros["returns"] = torch.zeros_like(zeros["returns"])
     rank1_rows = (torch.arange(16) % BASE["ppo_mini_batch_size"]) >= BASE["ppo_mini_batch_size"] // 2
-    halves["returns"] = torch.where(rank1_rows[:, None], 2.0, 0.0).expand_as(halves["returns"]).clone()
+    halves["returns"] = torch.where(rank1_rows[:, None], 12.0, 10.0).expand_as(halves["returns"]).clone()
     out = [zeros, halves]
     for seed in (0, 1):
         batch = make_batch(16, 6, 5, seed=seed)

@@ -227,7 +227,7 @@ class CriticConfig:
     """δ of the huber loss"""
     value_norm: str | bool = "off"
     """off; running (the model predicts returns normalised by their running mean and std); popart (running, and
-    the head is rescaled when the statistics move; their first move takes the outputs' mean to the returns'). A
+    the head is rescaled when the statistics move; outputs more than 2σ off at their start move to the returns' mean). A
     bare off in YAML reads as false, the same"""
     value_norm_decay: float = 1.0
     """the weight the return statistics already hold keep at each update: 1 counts every return seen alike; below 1

@@ -10,11 +10,11 @@
   whenever μ, σ change the value head's weight and bias are rescaled so that the de-normalised predictions stay
   the same: `w' = w·σ/σ'`, `b' = (σ·b + μ − μ')/σ'` (so the old values' outputs are those of the current μ, σ).
   Under `ema_decay` the average's head is rescaled alike: the map is affine in (w, b), so it commutes with averaging.
-  **At the start the mean moves:** the first merge keeps the outputs' deviations but moves their mean from the old
-  values' (over the DP ranks) to μ, which can only lower their squared error on the batch: a fresh head's ~0
-  against returns around 10 starts at 10 (kept there, the critic spent tens of updates learning the scale), a
-  value-pretrained head's stays where it was. (Not moved to μ + σ·output, as `running` does: that keeps the head's
-  weights in normalised units, and was 1.2–1.8× slower on the suite's 0/1 rewards.)
+  **Unless they are far off at the start:** where the old values' mean (over the DP ranks) lies more than
+  `FAR_STD` σ from the first returns' mean, the first merge keeps the outputs' deviations and moves their mean to
+  μ, which can only lower their squared error: a fresh head's ~0 against Monte-Carlo returns around 11 starts at 11
+  instead of spending tens of updates there. Nearer, the outputs are kept (moving them was slower on the task
+  suite's dense rewards, docs/QUALITY.md).
 
 The statistics are updated once per `update_critic` call, before its first step, from the call's valid returns;
 they are sums (count, sum, sum of squares) reduced over the data-parallel ranks, merged into the running values
@@ -41,6 +41,7 @@ from ppo_critic.config.critic import CriticConfig
 from ppo_critic.config.modes import VALUE_NORM_MODES
 
 MIN_STD = 1e-4  # σ's floor once the statistics have started, and the spread (× max(1, |mean|)) that starts them
+FAR_STD = 2.0  # PopArt's first merge moves outputs whose mean is further than this many σ from the returns'
 STATE_KEYS = ("value_norm/count", "value_norm/mean", "value_norm/var")
 
 
@@ -91,7 +92,7 @@ class ValueNormalizer:
     ) -> bool:
         """Merge the valid `returns` (summed over ranks by `all_reduce`) into the statistics; with PopArt, rescale
         `head` so that its de-normalised outputs are unchanged (None: this rank holds no head, e.g. a pipeline
-        stage before the last), at the first merge moved by `start_shift` (from the old `values`' mean to μ). A
+        stage before the last), at the first merge moved by `start_shift` (from a far-off old `values`' mean to μ). A
         no-op when off, when nothing is valid, and before the statistics have started when these returns do not
         vary (module docstring). Returns whether they merged (and so moved)."""
         if not self.enabled:
@@ -123,14 +124,15 @@ class ValueNormalizer:
         self.count, self.mean, self.var = merged, self.mean + delta * n / merged, new_var
 
     def _first_shift(self, values: Tensor | None, valid: Tensor, all_reduce: Callable[[Tensor], Tensor]) -> Tensor:
-        """μ minus the mean of the valid old `values` over the ranks: how far PopArt's first merge moves the outputs
-        (0 without values, or with values that are not finite)."""
+        """μ minus the mean of the valid old `values` over the ranks, where it exceeds `FAR_STD` σ: how far PopArt's
+        first merge moves the outputs (0 nearer, without values, or with values that are not finite)."""
         if values is None:
             return self.start_shift * 0
         v = torch.where(valid, values.double(), 0.0)
         n, total = all_reduce(torch.stack([valid.sum().double(), v.sum()])).unbind()
         shift = self.mean - total / n
-        return shift if torch.isfinite(shift) else shift * 0
+        far = torch.isfinite(shift) and shift.abs() > FAR_STD * self.std
+        return shift if far else shift * 0
 
     def carry(self, head: nn.Linear | None, before: ValueNormalizer) -> None:
         """PopArt's edit of a value `head` (None: nothing to edit) for the statistics' move from `before` to now:
