@@ -136,13 +136,11 @@ class ValueNormalizer:
 
     def carry(self, head: nn.Linear | None, before: ValueNormalizer) -> None:
         """PopArt's edit of a value `head` (None: nothing to edit) for the statistics' move from `before` to now:
-        its de-normalised outputs kept, then at the first merge moved by `start_shift`."""
+        its de-normalised outputs kept, at the first merge as if they had been `start_shift` higher (so moved by it)."""
         if head is None:
             return
-        preserve_outputs(head, before.mean, before.std, self.mean, self.std)
-        if before.count.item() == 0 and self.start_shift.item() != 0:
-            with torch.no_grad():
-                head.bias.add_((self.start_shift / self.std).to(head.bias.dtype))
+        moved = self.start_shift if before.count.item() == 0 else 0.0
+        preserve_outputs(head, before.mean + moved, before.std, self.mean, self.std)
 
     def values_served(self) -> None:
         """The critic served values again: they come from the moved outputs, so old values need no `start_shift`."""

@@ -167,8 +167,7 @@ def test_a_critic_pretrained_on_verls_rollout_dump_gives_its_values_in_verl(sing
     ppo_critic(
         "train", f"data={dump}", f"critic.model.path={model_dir}", f"critic.model.tokenizer_path={tokenizer_dir}",
         f"trainer.run_dir={run}", f"trainer.steps={STEPS}", "trainer.rollout_batch_size=16",
-        "critic.ppo_mini_batch_size=8", "trainer.length_adaptive_alpha=null",
-        "trainer.logger=[jsonl]",
+        "critic.ppo_mini_batch_size=8", "trainer.length_adaptive_alpha=null", "trainer.logger=[jsonl]",
         "trainer.progress=false", "trainer.export_hf=false",
     )  # fmt: skip
     critic = yaml.safe_load((run / "config.yaml").read_text())["critic"]
