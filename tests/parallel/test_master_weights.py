@@ -217,6 +217,27 @@ def test_popart_rescales_the_master_copy_of_the_head():
     assert all(torch.equal(p, worker.optimizer.masters[p].bfloat16()) for p in worker.model.parameters())
 
 
+def test_popart_rescales_the_float32_average_of_the_head_under_ema_decay():
+    """PopArt + `ema_decay` under bf16 parameters: the average (float32, of the masters) has its head rescaled as the
+    float32 path's is, so the values served (the average's, rounded into the bf16 parameters) keep their raw values."""
+    cfg = {"value_norm": "popart", "ema_decay": 0.9}
+    reference, worker = CriticWorker(config(**cfg), device="cpu"), CriticWorker(bf16(**cfg), device="cpu")
+    batch = make_batch(8, 6, 5, seed=4)
+    returns, mask = 50.0 + 10.0 * batch["returns"], batch["attention_mask"][:, -batch["responses"].shape[1] :]
+    values = reference.compute_values(batch)
+    for critic in (reference.critic, worker.critic):
+        critic.update_value_norm(returns, mask)
+    expected = dict(zip(reference.critic.ema.names, reference.critic.ema.average, strict=True))
+    average = dict(zip(worker.critic.ema.names, worker.critic.ema.average, strict=True))
+    head = [n for n in average if n.startswith("score.")]
+    assert head and all(average[n].dtype == torch.float32 for n in head)
+    # the same float32 average, rescaled in float64 and stored in float32 on both sides: the same bits; a head left
+    # unrescaled would differ by ~σ (10 here)
+    assert all(torch.equal(average[n], expected[n]) for n in head)
+    mean = float(worker.critic.value_norm.mean)  # the bound of the test above: roundings of (value − μ) / σ's size
+    assert_values_close(worker.compute_values(batch) - mean, values - mean)
+
+
 def test_a_value_head_of_float32_is_stepped_as_it_is():
     worker = CriticWorker(bf16(model={**config()["model"], "value_head_dtype": "float32"}), device="cpu")
     head = [p for n, p in worker.model.named_parameters() if n.startswith("score.")]
