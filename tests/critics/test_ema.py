@@ -80,6 +80,21 @@ def test_the_worker_restarts_the_average_only_under_ema_decay():
     assert not torch.equal(live, restarted) and torch.equal(restarted, expected)
 
 
+def test_an_update_while_the_live_weights_serve_still_moves_the_average():
+    """`live_weights` changes which weights compute_values runs, not the average: an update inside it moves the
+    average as one outside does (the same bits), and values outside come from the average again."""
+    inside, outside = CriticWorker(config(), device="cpu"), CriticWorker(config(), device="cpu")
+    batch = make_batch(8, 6, 5, seed=1)
+    with inside.critic.live_weights():
+        inside.update_critic(batch)
+        live = inside.compute_values(batch)
+    outside.update_critic(batch)
+    assert int(inside.critic.ema.updates) == 2  # two optimizer steps (two mini-batches), each averaged
+    assert all(torch.equal(a, b) for a, b in zip(inside.critic.ema.average, outside.critic.ema.average, strict=True))
+    assert torch.equal(inside.compute_values(batch), outside.compute_values(batch))
+    assert not torch.equal(live, outside.compute_values(batch))  # inside, the live weights served
+
+
 def test_compute_values_uses_the_average_and_training_the_live_weights_is_unchanged():
     with_ema, without = CriticWorker(config(), device="cpu"), CriticWorker(config(ema_decay=0.0), device="cpu")
     batch = make_batch(8, 6, 5, seed=0)

@@ -180,6 +180,7 @@ class PPOCriticBase:
     last_compute_metrics: dict[str, float] | None = None
     value_norm: ValueNormalizer = ValueNormalizer("off")  # a backend supporting `critic.value_norm` sets its own
     ema: ParameterEMA | None = None  # a backend supporting `critic.ema_decay` sets its own
+    serving_live: bool = False  # inside `live_weights`: compute_values runs the live weights, not the average
     objective: ValueObjective  # `critic.vf_loss_type`'s, set by `_use_objective`
 
     @property
@@ -300,16 +301,22 @@ class PPOCriticBase:
         with self._value_head() as head:
             merged = norm.update(returns, mask, self.all_reduce, head, values)
         if merged and self.ema is not None:
-            with self.averaged_weights(), self._value_head() as head:
+            with self._average_applied(), self._value_head() as head:
                 norm.carry(head, before)
 
     @contextlib.contextmanager
     def averaged_weights(self) -> Iterator[None]:
-        """The weights `compute_values` runs with: the live ones, or under `ema_decay` their moving average swapped
-        into the parameters, and the live ones back after (`_reshard` on both sides, for sharded backends)."""
-        if self.ema is None:
+        """The weights `compute_values` runs with: the live ones (no `ema_decay`, or inside `live_weights`), else
+        their moving average swapped into the parameters for the context."""
+        if self.ema is None or self.serving_live:
             yield
             return
+        with self._average_applied():
+            yield
+
+    @contextlib.contextmanager
+    def _average_applied(self) -> Iterator[None]:
+        """The moving average in the parameters, the live weights back after (`_reshard` on both sides)."""
         self._reshard()
         with self.ema.applied():
             try:
@@ -320,12 +327,13 @@ class PPOCriticBase:
     @contextlib.contextmanager
     def live_weights(self) -> Iterator[None]:
         """`compute_values` on the live weights inside the context, not their average: what `ema_decay` buys, and
-        the critic the average would be a target network for (the average bootstraps, the live weights serve)."""
-        ema, self.ema = self.ema, None
+        the critic the average would be a target network for. The average itself is kept: an update inside still
+        moves it, and PopArt still rescales its head."""
+        self.serving_live = True
         try:
             yield
         finally:
-            self.ema = ema
+            self.serving_live = False
 
     def _reshard(self) -> None:
         """Make the parameters `ParameterEMA` edits the ones in use (nothing to do unless a wrapper caches them)."""
