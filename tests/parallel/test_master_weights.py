@@ -198,14 +198,21 @@ def test_the_moving_average_follows_the_masters_in_float32():
     assert_values_close(worker.compute_values(batch), reference.compute_values(batch))
 
 
-def test_popart_rescales_the_master_copy_of_the_head():
-    popart = {"value_norm": "popart"}
-    reference, worker = CriticWorker(config(**popart), device="cpu"), CriticWorker(bf16(**popart), device="cpu")
+def popart_merged(**changes) -> tuple[CriticWorker, CriticWorker, dict, torch.Tensor, torch.Tensor]:
+    """A float32 and a bf16 worker under PopArt (and `changes`) after one merge of returns ~50 ± 10, the batch, its
+    returns and the float32 worker's values before the merge."""
+    cfg = {"value_norm": "popart", **changes}
+    reference, worker = CriticWorker(config(**cfg), device="cpu"), CriticWorker(bf16(**cfg), device="cpu")
     batch = make_batch(8, 6, 5, seed=4)
     returns, mask = 50.0 + 10.0 * batch["returns"], batch["attention_mask"][:, -batch["responses"].shape[1] :]
     values = reference.compute_values(batch)
     for critic in (reference.critic, worker.critic):
         critic.update_value_norm(returns, mask)
+    return reference, worker, batch, returns, values
+
+
+def test_popart_rescales_the_master_copy_of_the_head():
+    reference, worker, batch, returns, values = popart_merged()
     head = {n: t for n, t in weights(worker).items() if n.startswith("score.")}
     # the same float32 head, rescaled in float64 and stored in float32 on both sides: the same bits
     assert all(torch.equal(t, weights(reference)[n]) for n, t in head.items())
@@ -220,13 +227,7 @@ def test_popart_rescales_the_master_copy_of_the_head():
 def test_popart_rescales_the_float32_average_of_the_head_under_ema_decay():
     """PopArt + `ema_decay` under bf16 parameters: the average (float32, of the masters) has its head rescaled as the
     float32 path's is, so the values served (the average's, rounded into the bf16 parameters) keep their raw values."""
-    cfg = {"value_norm": "popart", "ema_decay": 0.9}
-    reference, worker = CriticWorker(config(**cfg), device="cpu"), CriticWorker(bf16(**cfg), device="cpu")
-    batch = make_batch(8, 6, 5, seed=4)
-    returns, mask = 50.0 + 10.0 * batch["returns"], batch["attention_mask"][:, -batch["responses"].shape[1] :]
-    values = reference.compute_values(batch)
-    for critic in (reference.critic, worker.critic):
-        critic.update_value_norm(returns, mask)
+    reference, worker, batch, _, values = popart_merged(ema_decay=0.9)
     expected = dict(zip(reference.critic.ema.names, reference.critic.ema.average, strict=True))
     average = dict(zip(worker.critic.ema.names, worker.critic.ema.average, strict=True))
     head = [n for n in average if n.startswith("score.")]
