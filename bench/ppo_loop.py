@@ -12,6 +12,8 @@ token-mean; `kl_coef` > 0 adds the low-variance KL to the initial actor). Method
   batch with `values` and `returns`).
 - `mc`: GAE from Monte-Carlo values of the current actor (`mc_samples` continuations of every prefix): what a
   perfect critic would give, at a cost no real run pays.
+- `critic_mc:<configuration>`: a learned critic as `critic:` but regressed on those Monte-Carlo values instead of
+  returns: what learning the values of a moving actor costs alone (no return noise, no bootstrap error).
 - `grpo`: the outcome normalised within each group of `group` responses to one prompt (no critic).
 - `reinforce`: the outcome minus the batch mean, over the batch's standard deviation (no critic).
 
@@ -322,9 +324,10 @@ class Critic:
         self.seconds += time.perf_counter() - start
         return values
 
-    def update(self, batch: dict[str, Tensor], values: Tensor) -> None:
-        """`update_critic` on the batch, its targets by the configuration's own recipe; under its `replay_rows`,
-        rows of the last batches go first, valued by the current critic (the built-in trainer's replay)."""
+    def update(self, batch: dict[str, Tensor], values: Tensor, targets: Tensor | None = None) -> None:
+        """`update_critic` on the batch, its targets by the configuration's own recipe (or `targets`: Monte-Carlo
+        values of the current actor); under its `replay_rows`, rows of the last batches go first, valued by the
+        current critic (the built-in trainer's replay)."""
         start = time.perf_counter()
         fresh, t = batch, self.cfg.trainer
         replayed = self.replayed()
@@ -332,7 +335,9 @@ class Critic:
             values = torch.cat([self.worker.compute_values(replayed), values])
             batch = {key: torch.cat([replayed[key], value]) for key, value in batch.items()}
         batch = {**batch, "values": values}
-        batch["returns"] = critic_returns(batch, values, t, self.worker.step)
+        if targets is not None and replayed:
+            raise ValueError("Monte-Carlo targets of the current actor cannot be had for replayed rows")
+        batch["returns"] = critic_returns(batch, values, t, self.worker.step) if targets is None else targets
         self.worker.update_critic(batch)
         if self.cfg.replayed_rows():
             self.held.append(fresh)
@@ -372,7 +377,12 @@ class Loop:
 
     @property
     def uses_critic(self) -> bool:
-        return self.cfg.method.startswith("critic:")
+        """A learned critic: trained on its recipe's returns (`critic:`) or on Monte-Carlo values (`critic_mc:`)."""
+        return self.cfg.method.split(":", 1)[0] in ("critic", "critic_mc")
+
+    def mc_values(self, batch: dict[str, Tensor], step: int) -> Tensor:
+        """Monte-Carlo values of the current actor at every response position of `batch`."""
+        return mc_values(self.actor, self.task, self.alphabet, batch, self.cfg.mc_samples, self.gamma, step)
 
     def advantages(self, batch: dict[str, Tensor], step: int) -> Tensor:
         """The method's advantages for `batch` (and the critic's update, for a critic method)."""
@@ -382,15 +392,15 @@ class Loop:
         if cfg.method == "reinforce":
             return outcome_advantages(batch, len(batch["responses"]))
         if cfg.method == "mc":
-            values = mc_values(self.actor, self.task, self.alphabet, batch, cfg.mc_samples, self.gamma, step)
-            return gae_advantages(batch, values, self.gamma, cfg.lam)
+            return gae_advantages(batch, self.mc_values(batch, step), self.gamma, cfg.lam)
         values = self.critic.values(batch)
         if self.probing(step):  # the error the actor's advantages see: its own rollouts, before the critic's update
             start, rows = time.perf_counter(), torch.arange(min(cfg.probe_rows, len(values)))
             self.live_probes.append(self.compare(rows_of(batch, rows), values[rows], step))
             self.probe_seconds += time.perf_counter() - start  # not the iteration's cost
         advantages = gae_advantages(batch, values, self.gamma, cfg.lam)
-        self.critic.update(batch, values)
+        targets = self.mc_values(batch, step) if cfg.method.startswith("critic_mc:") else None  # not the critic's time
+        self.critic.update(batch, values, targets)
         return advantages
 
     def iteration(self, step: int) -> int:
@@ -474,6 +484,7 @@ METHODS = {  # name -> LoopConfig overrides
     "grpo_n8": {"method": "grpo", "group": 8},
     "reinforce": {"method": "reinforce"},
     "mc": {"method": "mc"},
+    "learned_mc": {"method": "critic_mc:verl_lr1e-3"},
 }
 LEVERS = {  # the earlier default with one lever changed (bench/ablation.py's names): screened with --methods
     "ppo-critic_running": {"method": EARLIER_DEFAULT},

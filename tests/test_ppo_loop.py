@@ -138,3 +138,25 @@ def test_a_replay_configuration_trains_rows_of_the_last_batches_first_valued_by_
     rows = torch.tensor([first.tolist().index(row) for row in replayed.tolist()])
     before = seen[0]["values"].index_select(0, rows)
     assert not torch.allclose(seen[1]["values"][:16], before)  # valued again, by the trained critic
+
+
+def test_a_critic_mc_run_regresses_the_critic_on_monte_carlo_values_and_not_on_returns(loop, tmp_path):
+    run = loop.Loop(small(loop, method="critic_mc:verl_lr1e-3", iterations=1), str(tmp_path))
+    worker, seen, drawn = run.critic.worker, [], []
+    update, mc = worker.update_critic, run.mc_values
+    worker.update_critic = lambda batch: seen.append(batch) or update(batch)
+    run.mc_values = lambda batch, step: drawn.append(mc(batch, step)) or drawn[-1]
+    run.iteration(1)
+    assert len(seen) == 1 and len(drawn) == 1
+    assert torch.equal(seen[0]["returns"], drawn[0])  # the critic's targets: the current actor's MC values
+    mask = seen[0]["response_mask"].bool()
+    values = drawn[0][mask]  # counting: the reward's probability, estimated from 8 continuations each
+    assert values.min() >= 0 and values.max() <= 1 and values.max() > 0
+
+
+def test_monte_carlo_targets_refuse_replayed_rows(loop, tmp_path):
+    """A replayed row was written by an older actor: the current one's Monte-Carlo values are not its targets."""
+    run = loop.Loop(small(loop, method="critic_mc:batch_alpha0.5_lr5e-4_popart_ema_replay96"), str(tmp_path))
+    run.iteration(1)  # nothing held yet
+    with pytest.raises(ValueError, match="replayed rows"):
+        run.iteration(2)
