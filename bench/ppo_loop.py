@@ -35,7 +35,6 @@ import collections
 import copy
 import dataclasses
 import importlib.util
-import json
 import math
 import platform
 import statistics
@@ -53,7 +52,7 @@ from ppo_critic.cli import load_config
 from ppo_critic.config.train import resolve_model
 from ppo_critic.data.rows import rollout_batch
 from ppo_critic.moving import draw_replay
-from ppo_critic.run.files import write_file, write_with
+from ppo_critic.run.files import write_with
 from ppo_critic.tasks import TASKS
 from ppo_critic.tasks.common import prefix_mask
 from ppo_critic.train import critic_returns, make_worker
@@ -501,7 +500,8 @@ def same_config(result: dict, cfg: LoopConfig) -> bool:
 
 
 def load(path: Path) -> list[dict]:
-    return json.loads(path.read_text())["results"] if path.exists() else []
+    """The runs of a result file (bench/ablation.py's reader)."""
+    return _ablation().read_results(path)
 
 
 def lower_median(values: list) -> Any:
@@ -636,7 +636,7 @@ def main() -> None:
                 if any(r["name"] == name and same_config(r, cfg) for r in load(path)):
                     continue
                 result = {"name": name, **run(cfg)}
-                write_file(path, json.dumps({"meta": meta, "results": [*load(path), result]}, indent=1))
+                _ablation().append_result(path, result, meta)  # under a lock: runs side by side keep each other's
                 print(
                     f"{task} {name} seed={seed}: to target {result['iterations_to_target']} final "
                     f"{result['final_score']:.3f} {result['wall_s_per_iteration']:.2f} s/it",
