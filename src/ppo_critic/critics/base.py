@@ -329,11 +329,11 @@ class PPOCriticBase:
         """`compute_values` on the live weights inside the context, not their average: what `ema_decay` buys, and
         the critic the average would be a target network for. The average itself is kept: an update inside still
         moves it, and PopArt still rescales its head."""
-        self.serving_live = True
+        was, self.serving_live = self.serving_live, True
         try:
             yield
         finally:
-            self.serving_live = False
+            self.serving_live = was  # a nested context leaves the outer one serving the live weights
 
     def _reshard(self) -> None:
         """Make the parameters `ParameterEMA` edits the ones in use (nothing to do unless a wrapper caches them)."""
