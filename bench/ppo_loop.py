@@ -303,10 +303,26 @@ def update_actor(actor, optimizer, batch, advantages, old, ref, alphabet: int, c
 # One run
 
 
+CRITIC_KINDS = {"critic": False, "critic_mc": True}  # a learned critic's method prefix -> regressed on MC values
+CRITICLESS = ("grpo", "reinforce", "mc")
+
+
+def critic_of(method: str) -> tuple[str, bool] | None:
+    """`(configuration, regressed on Monte-Carlo values)` of a learned critic's method, None for the others."""
+    kind, _, name = method.partition(":")
+    if kind in CRITIC_KINDS and name:
+        return name, CRITIC_KINDS[kind]
+    if method not in CRITICLESS:
+        raise ValueError(
+            f"method {method!r}: expected one of {CRITICLESS} or critic:<configuration> / critic_mc:<configuration>"
+        )
+    return None
+
+
 class Critic:
     """A `CriticWorker` of bench/ablation.py's configuration `name` on the task, as verl uses it."""
 
-    def __init__(self, name: str, task_name: str, task: Any, cfg: LoopConfig, run_dir: str):
+    def __init__(self, name: str, mc_targets: bool, task_name: str, task: Any, cfg: LoopConfig, run_dir: str):
         overrides = [*_ablation().CONFIGS[name][1], *ACTOR_TASKS[task_name].overrides]
         overrides += [f"trainer.rollout_batch_size={cfg.batch}", f"trainer.steps={cfg.iterations}"]
         overrides += [f"critic.ppo_mini_batch_size={cfg.batch // cfg.mini_batches}"]  # the actor's, as in verl
@@ -316,6 +332,12 @@ class Critic:
         self.worker = make_worker(self.cfg)
         self.seconds = 0.0
         self.held: collections.deque[dict[str, Tensor]] = collections.deque(maxlen=self.cfg.trainer.replay_window)
+        self.mc_targets = mc_targets
+        if mc_targets and self.cfg.replayed_rows():  # a replayed row was written by an older actor
+            raise ValueError(
+                f"method critic_mc:{name}: Monte-Carlo targets of the current actor cannot be had for "
+                "replayed rows; use a configuration without replay"
+            )
 
     def values(self, batch: dict[str, Tensor]) -> Tensor:
         start = time.perf_counter()
@@ -334,8 +356,6 @@ class Critic:
             values = torch.cat([self.worker.compute_values(replayed), values])
             batch = {key: torch.cat([replayed[key], value]) for key, value in batch.items()}
         batch = {**batch, "values": values}
-        if targets is not None and replayed:
-            raise ValueError("Monte-Carlo targets of the current actor cannot be had for replayed rows")
         batch["returns"] = critic_returns(batch, values, t, self.worker.step) if targets is None else targets
         self.worker.update_critic(batch)
         if self.cfg.replayed_rows():
@@ -360,9 +380,8 @@ class Loop:
         self.actor = build_actor(self.task.vocab_size, self.task.prompt_width + self.task.response_width, cfg.seed)
         self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=cfg.actor_lr, weight_decay=0.0)
         self.ref = copy.deepcopy(self.actor).eval() if cfg.kl_coef else None
-        self.critic = (
-            Critic(cfg.method.split(":", 1)[1], cfg.task, self.task, cfg, run_dir) if self.uses_critic else None
-        )
+        learned = critic_of(cfg.method)
+        self.critic = Critic(*learned, cfg.task, self.task, cfg, run_dir) if learned else None
         self.generator = torch.Generator().manual_seed(cfg.seed)
         held_out = torch.Generator().manual_seed(cfg.seed + 1_000_003)
         self.eval_prompts = self.task.prompts(cfg.eval_prompts, held_out)
@@ -373,11 +392,6 @@ class Loop:
     def probing(self, step: int) -> bool:
         """Whether the critic is compared with Monte-Carlo values at `step`."""
         return self.critic is not None and (step % self.cfg.probe_every == 0 or step == 1)
-
-    @property
-    def uses_critic(self) -> bool:
-        """A learned critic: trained on its recipe's returns (`critic:`) or on Monte-Carlo values (`critic_mc:`)."""
-        return self.cfg.method.split(":", 1)[0] in ("critic", "critic_mc")
 
     def mc_values(self, batch: dict[str, Tensor], step: int) -> Tensor:
         """Monte-Carlo values of the current actor at every response position of `batch`."""
@@ -398,7 +412,7 @@ class Loop:
             self.live_probes.append(self.compare(rows_of(batch, rows), values[rows], step))
             self.probe_seconds += time.perf_counter() - start  # not the iteration's cost
         advantages = gae_advantages(batch, values, self.gamma, cfg.lam)
-        targets = self.mc_values(batch, step) if cfg.method.startswith("critic_mc:") else None  # not the critic's time
+        targets = self.mc_values(batch, step) if self.critic.mc_targets else None  # not the critic's time
         self.critic.update(batch, values, targets)
         return advantages
 

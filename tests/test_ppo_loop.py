@@ -156,7 +156,11 @@ def test_a_critic_mc_run_regresses_the_critic_on_monte_carlo_values_and_not_on_r
 
 def test_monte_carlo_targets_refuse_replayed_rows(loop, tmp_path):
     """A replayed row was written by an older actor: the current one's Monte-Carlo values are not its targets."""
-    run = loop.Loop(small(loop, method="critic_mc:batch_alpha0.5_lr5e-4_popart_ema_replay96"), str(tmp_path))
-    run.iteration(1)  # nothing held yet
-    with pytest.raises(ValueError, match="replayed rows"):
-        run.iteration(2)
+    with pytest.raises(ValueError, match="replayed rows"):  # when the run is built, not after its first iteration
+        loop.Loop(small(loop, method="critic_mc:batch_alpha0.5_lr5e-4_popart_ema_replay96"), str(tmp_path))
+
+
+@pytest.mark.parametrize("method", ["critic", "critic_mc:", "gae", "mc:verl_lr1e-3"])
+def test_an_unknown_method_is_refused_by_name(loop, tmp_path, method):
+    with pytest.raises(ValueError, match=f"method '{method}'"):
+        loop.Loop(small(loop, method=method), str(tmp_path))
