@@ -81,8 +81,11 @@ def measure(config: str, task: str, seed: int, drift: list[str], steps: int, sta
 
 
 def verl_best(runs: dict[str, list[dict]]) -> str | None:
-    """verl's configuration with the highest median tracking EV; None when none ran."""
+    """verl's configuration with the highest median tracking EV among the rates run at the most seeds (a rate
+    dropped after one seed does not win on that seed alone); None when none ran."""
     sweep = [name for name in runs if name in VERL]
+    most = max((len(runs[name]) for name in sweep), default=0)
+    sweep = [name for name in sweep if len(runs[name]) == most]
     return max(sweep, key=lambda name: median(runs[name], "tracking_ev")) if sweep else None
 
 

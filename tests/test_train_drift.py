@@ -156,6 +156,8 @@ def test_the_drift_summary_judges_issue_41s_target_from_the_stored_runs(tmp_path
             )
     other = drift_run(bench, default, 0, 0.1) | {"drift": bench.schedule("step", 100, 300, None)}  # another schedule
     bench.ablation.append_result(tmp_path / "counting_step.json", other, meta)
+    lucky = drift_run(bench, "verl_lr3e-3", 0, 0.99, 10)  # one seed of a rate dropped after it: not verl-best
+    bench.ablation.append_result(tmp_path / "counting_step.json", lucky, meta)
     (row,) = bench.summary().splitlines()[2:]
     assert row.startswith("| counting | step | 0.910, 30 (0.900, 0.920, 0.910) |  | 0.800, never (1e-3) | 0.930, 10 |")
     assert row.endswith("| missed: EV < 0.95 (above the ceiling); recovery > 2x the ceiling's |")
