@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from ppo_critic.cli import load_config
+from ppo_critic.tasks import TASKS
 from ppo_critic.train import tracking_metrics
 
 BENCH = Path(__file__).resolve().parent
@@ -194,6 +196,34 @@ def summary() -> str:
     return "\n".join(lines)
 
 
+def signal_and_noise(task: str, step: int, rows: int = 1024) -> tuple[float, float]:
+    """On `task`'s ramp at `step`: the variance of the true values over response tokens (what EV divides by) and the
+    mean squared gap of the Monte-Carlo return to them (the noise a critic trained on returns must average out)."""
+    cfg = load_config(None, [*SUITE[task].overrides, *schedule("ramp", START, RAMP_STEPS, None)])
+    policy, gamma = TASKS[cfg.task.get("name", "counting")][0](cfg.task_config()).at(step), cfg.trainer.gamma
+    batch = policy.sample(rows, torch.Generator().manual_seed(0))
+    rewards, values, mask = (
+        policy.rewards(batch).double(),
+        policy.true_values(batch, gamma).double(),
+        batch["response_mask"].bool(),
+    )
+    returns = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        returns[:, t] = rewards[:, t] + (gamma * returns[:, t + 1] if t + 1 < rewards.shape[1] else 0.0)
+    return values[mask].var().item(), ((returns - values)[mask] ** 2).mean().item()
+
+
+def noise_table(tasks: list[str]) -> str:
+    """Markdown: per task, the truth's variance and the return noise over it, before, during and after the ramp."""
+    moments = (START, START + RAMP_STEPS // 2, START + RAMP_STEPS)
+    lines = ["| task | " + " | ".join(f"iteration {k}: Var(V), noise / Var(V)" for k in moments) + " |"]
+    lines.append("|---|" + "---|" * len(moments))
+    for task in tasks:
+        cells = [f"{var:.4f}, {mse / var:.2f}" for var, mse in (signal_and_noise(task, k) for k in moments)]
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", nargs="*", default=["counting"], help=f"tasks to run, from {list(SUITE)}")
@@ -207,7 +237,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--report", action="store_true", help="only print the tables of bench/results/drift/")
     p.add_argument("--write", action="store_true", help="with --report: replace the summary in docs/QUALITY.md")
+    p.add_argument("--noise", action="store_true", help="only the truth's variance and the return noise on the ramp")
     args = p.parse_args()
+    if args.noise:
+        print(noise_table(args.tasks))
+        return
     if args.report:
         if args.write:
             ablation.write_report(summary(), BEGIN, END)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from conftest import bench_script, without_timings
 from ppo_critic import train as train_mod
 from ppo_critic.cli import load_config
+from ppo_critic.tasks import TASKS
 from ppo_critic.train import TaskSource, tracking_metrics, train
 
 SHORT = [
@@ -168,3 +169,19 @@ def test_the_drift_summary_judges_issue_41s_target_from_the_stored_runs(tmp_path
     assert bench.verdict(runs, abrupt=True, eval_every=10) == "missed: < verl-best + 0.02 (above the ceiling)"
     runs[bench.CEILING] = [r | {"tracking_ev": 0.99} for r in runs[bench.CEILING]]
     assert bench.verdict(runs, abrupt=True, eval_every=10) == "missed: < verl-best + 0.02"
+
+
+def test_the_return_noise_of_a_terminal_0_1_reward_is_the_bernoulli_variance_of_the_true_value():
+    """counting's only reward is 0/1 at the end (γ 1), so E[(G − V_t)² | prefix] = V_t (1 − V_t): the bench's noise
+    matches the mean of that over the same rollouts within 0.06. Bound: each row's mean of (G − V)² − V(1 − V) has
+    mean 0 and lies in [−0.25, 1], rows are independent, so over 1024 rows the gap's standard deviation is at most
+    0.625 / 32 < 0.02; 0.06 is 3 of them."""
+    bench = bench_script("drift.py")
+    var, noise = bench.signal_and_noise("counting", 0)
+    cfg = load_config(None, ["task.name=counting"])
+    policy = TASKS["counting"][0](cfg.task_config())
+    batch = policy.sample(1024, torch.Generator().manual_seed(0))
+    values, mask = policy.true_values(batch).double(), batch["response_mask"].bool()
+    assert var == pytest.approx(values[mask].var().item())
+    assert noise == pytest.approx((values * (1 - values))[mask].mean().item(), abs=0.06)
+    assert noise / var > 1  # counting's returns carry more noise than its values have signal (docs/QUALITY.md)
