@@ -329,15 +329,14 @@ class Critic:
         overrides += [f"trainer.seed={cfg.seed}", f"trainer.run_dir={run_dir}"]
         train_cfg = load_config(None, overrides)
         self.cfg = resolve_model(train_cfg, task.vocab_size, task.prompt_width + task.response_width)
-        self.worker = make_worker(self.cfg)
-        self.seconds = 0.0
-        self.held: collections.deque[dict[str, Tensor]] = collections.deque(maxlen=self.cfg.trainer.replay_window)
-        self.mc_targets = mc_targets
-        if mc_targets and self.cfg.replayed_rows():  # a replayed row was written by an older actor
+        if mc_targets and self.cfg.replayed_rows():  # a replayed row was written by an older actor: refused unbuilt
             raise ValueError(
                 f"method critic_mc:{name}: Monte-Carlo targets of the current actor cannot be had for "
                 "replayed rows; use a configuration without replay"
             )
+        self.worker, self.mc_targets = make_worker(self.cfg), mc_targets
+        self.seconds = 0.0
+        self.held: collections.deque[dict[str, Tensor]] = collections.deque(maxlen=self.cfg.trainer.replay_window)
 
     def values(self, batch: dict[str, Tensor]) -> Tensor:
         start = time.perf_counter()
