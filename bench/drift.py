@@ -32,7 +32,6 @@ import torch
 
 from ppo_critic.algos import compute_gae_advantage_return
 from ppo_critic.cli import load_config
-from ppo_critic.tasks import TASKS
 from ppo_critic.train import tracking_metrics
 
 BENCH = Path(__file__).resolve().parent
@@ -160,15 +159,10 @@ def verdict(runs: dict[str, list[dict]], abrupt: bool, eval_every: int) -> str:
     """Which parts of the target the default misses at its median ("met" when none); a recovery is judged at the
     evaluations' resolution (a ceiling that never fell below 0.9 allows the first evaluation after the step)."""
     ours, best, ceiling = runs[ablation.DEFAULT], verl_best(runs), runs.get(CEILING, [])
-    ev, misses = median(ours, "tracking_ev"), []
-    if ev < TARGET_EV:
-        misses.append(
-            f"EV < {TARGET_EV}"
-            + (" (above the ceiling)" if ceiling and median(ceiling, "tracking_ev") < TARGET_EV else "")
-        )
-    if best and ev < median(runs[best], "tracking_ev") + MARGIN:
-        bound = ceiling and median(ceiling, "tracking_ev") < median(runs[best], "tracking_ev") + MARGIN
-        misses.append(f"< verl-best + {MARGIN}" + (" (above the ceiling)" if bound else ""))
+    ev, top = median(ours, "tracking_ev"), median(ceiling, "tracking_ev")  # top: nan without a ceiling run
+    bars = [(TARGET_EV, f"EV < {TARGET_EV}")]
+    bars += [(median(runs[best], "tracking_ev") + MARGIN, f"< verl-best + {MARGIN}")] if best else []
+    misses = [label + (" (above the ceiling)" if top < bar else "") for bar, label in bars if ev < bar]
     if abrupt and ceiling and median(ours, "recover_steps") > max(2 * median(ceiling, "recover_steps"), eval_every):
         misses.append("recovery > 2x the ceiling's")
     if not best or not ceiling:
@@ -199,7 +193,7 @@ def signal_and_noise(task: str, step: int, rows: int = 1024) -> tuple[float, flo
     """On `task`'s ramp at `step`: the variance of the true values over response tokens (what EV divides by) and the
     mean squared gap of the Monte-Carlo return to them (the noise a critic trained on returns must average out)."""
     cfg = load_config(None, [*SUITE[task].overrides, *schedule("ramp", START, RAMP_STEPS, None)])
-    policy, gamma = TASKS[cfg.task.get("name", "counting")][0](cfg.task_config()).at(step), cfg.trainer.gamma
+    policy, gamma = ablation.task_of(cfg).at(step), cfg.trainer.gamma
     batch = policy.sample(rows, torch.Generator().manual_seed(0))
     values, mask = policy.true_values(batch, gamma).double(), batch["response_mask"]
     rewards = policy.rewards(batch).double()

@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 from conftest import bench_script, without_timings
 from ppo_critic import train as train_mod
 from ppo_critic.cli import load_config
-from ppo_critic.tasks import TASKS
 from ppo_critic.train import TaskSource, tracking_metrics, train
 
 SHORT = [
@@ -179,7 +178,7 @@ def test_the_return_noise_of_a_terminal_0_1_reward_is_the_bernoulli_variance_of_
     bench = bench_script("drift.py")
     var, noise = bench.signal_and_noise("counting", 0)
     cfg = load_config(None, ["task.name=counting"])
-    policy = TASKS["counting"][0](cfg.task_config())
+    policy = bench.ablation.task_of(cfg)
     batch = policy.sample(1024, torch.Generator().manual_seed(0))
     values, mask = policy.true_values(batch).double(), batch["response_mask"].bool()
     assert var == pytest.approx(values[mask].var().item())
