@@ -227,6 +227,10 @@ def main() -> None:
     p.add_argument("--write", action="store_true", help="with --report: replace the summary in docs/QUALITY.md")
     p.add_argument("--noise", action="store_true", help="only the truth's variance and the return noise on the ramp")
     args = p.parse_args()
+    if args.write and not args.report:
+        p.error("--write rewrites docs/QUALITY.md's summary from stored runs: give it with --report")
+    if unknown := sorted(set(args.tasks) - set(SUITE)):
+        p.error(f"unknown tasks {unknown}; known: {list(SUITE)}")
     if args.noise:
         print(noise_table(args.tasks))
         return
@@ -237,8 +241,6 @@ def main() -> None:
             print(summary(), "", report(sorted(RESULTS.glob("*.json"))), sep="\n")
         return
     torch.set_num_threads(args.threads)
-    if unknown := sorted(set(args.tasks) - set(SUITE)):
-        p.error(f"unknown tasks {unknown}; known: {list(SUITE)}")
     if unknown := sorted(set(args.only) - set(ablation.CONFIGS)):
         p.error(f"unknown configurations {unknown}; bench/ablation.py's: {list(ablation.CONFIGS)}")
     if args.steps <= args.start:

@@ -631,6 +631,8 @@ def main() -> None:
     p.add_argument("--report", action="store_true", help="only the tables and curves (docs/QUALITY.md with --write)")
     p.add_argument("--write", action="store_true", help="with --report: replace the tables in docs/QUALITY.md")
     args = p.parse_args()
+    if args.write and not args.report:
+        p.error("--write rewrites docs/QUALITY.md's tables from stored runs: give it with --report")
     if args.report:
         text = report(args.results)
         _ablation().write_report(text, BEGIN, END) if args.write else print(text)

@@ -4,6 +4,7 @@ them, the critic is called as verl calls it, and the Monte-Carlo values are the 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -164,3 +165,10 @@ def test_monte_carlo_targets_refuse_replayed_rows(loop, tmp_path):
 def test_an_unknown_method_is_refused_by_name(loop, tmp_path, method):
     with pytest.raises(ValueError, match=f"method '{method}'"):
         loop.Loop(small(loop, method=method), str(tmp_path))
+
+
+def test_a_lone_write_is_refused_instead_of_starting_the_runs(loop, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["ppo_loop.py", "--write"])
+    with pytest.raises(SystemExit) as stopped:
+        loop.main()
+    assert stopped.value.code == 2 and "give it with --report" in capsys.readouterr().err

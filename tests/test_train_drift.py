@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -184,3 +185,18 @@ def test_the_return_noise_of_a_terminal_0_1_reward_is_the_bernoulli_variance_of_
     assert var == pytest.approx(values[mask].var().item())
     assert noise == pytest.approx((values * (1 - values))[mask].mean().item(), abs=0.06)
     assert noise / var > 1  # counting's returns carry more noise than its values have signal (docs/QUALITY.md)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--write"], "give it with --report"), (["--noise", "--tasks", "long", "foo"], "unknown tasks ['foo']")],
+)
+def test_the_drift_bench_refuses_a_lone_write_and_an_unknown_task_before_doing_anything(
+    argv, message, monkeypatch, capsys
+):
+    """`--write` alone would have started a run of hours; `--noise` on an unknown task was a KeyError."""
+    bench = bench_script("drift.py")
+    monkeypatch.setattr(sys, "argv", ["drift.py", *argv])
+    with pytest.raises(SystemExit) as stopped:
+        bench.main()
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
