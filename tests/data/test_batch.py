@@ -439,6 +439,44 @@ def test_to_moves_tensors_and_keeps_the_rest():
     assert all(torch.equal(back[k], batch[k]) for k in batch.tensors)
 
 
+class Placed:
+    """A tensor stand-in on any device that records each copy `Batch.to` asks of it as (source, target,
+    non_blocking): a CPU cannot race a copy, so the contract is checked on the arguments."""
+
+    def __init__(self, device: str | torch.device, copies: list):
+        self.device, self.copies = torch.device(device), copies
+
+    def to(self, device: str | torch.device, non_blocking: bool = False) -> Placed:
+        self.copies.append((self.device, torch.device(device), non_blocking))
+        return Placed(device, self.copies)
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "in_flight"),
+    [("cpu", "cuda", True), ("cuda", "cpu", False), ("cuda:0", "cuda:1", False), ("cuda:1", "cpu", False)],
+)
+def test_to_leaves_only_copies_from_the_host_in_flight(source, target, in_flight):
+    """A non-blocking copy from the host is ordered before any use by the device's stream; one off a device would be
+    read by the host (or the other device) before it lands, so it blocks."""
+    copies: list = []
+    batch = Batch({key: Placed(source, copies) for key in ("input_ids", "attention_mask")})
+    batch.to(target, non_blocking=True)
+    assert copies == [(torch.device(source), torch.device(target), in_flight)] * 2
+    batch.to(target)
+    assert [blocking for *_, blocking in copies[2:]] == [False, False]
+
+
+@pytest.mark.cuda
+def test_a_cuda_batch_moved_to_the_host_holds_its_values():
+    """The batch's data is written behind 0.1 s of queued GPU work: a copy that did not wait would read it early."""
+    expected = make_tensors()
+    zeros = {key: torch.zeros_like(value, device="cuda") for key, value in expected.items()}
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles on the stream before the data is written
+    on_gpu = {key: zeros[key] + value.cuda(non_blocking=True) for key, value in expected.items()}
+    moved = Batch(on_gpu).to("cpu", non_blocking=True)
+    assert all(torch.equal(moved[key], value) for key, value in expected.items())
+
+
 # ---------------------------------------------------------------------------------------------- position ids
 
 

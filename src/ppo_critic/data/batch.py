@@ -83,7 +83,7 @@ class Batch:
         and packing read nothing more."""
         if self.seq_lens is not None:
             return self
-        return dataclasses.replace(self, seq_lens=self.tensors["attention_mask"].sum(-1).tolist())
+        return dataclasses.replace(self, seq_lens=attended(self.tensors["attention_mask"]).tolist())
 
     def select(self, keys: Iterable[str]) -> Batch:
         """The named tensors and non-tensors that exist (missing names are skipped)."""
@@ -113,7 +113,8 @@ class Batch:
         return [self.index(range(i, min(i + size, len(self)))) for i in range(0, len(self), size)]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        tensors = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}
+        """The tensors on `device`; `non_blocking` lets copies from the host run without blocking (`copied_to`)."""
+        tensors = {k: copied_to(v, torch.device(device), non_blocking) for k, v in self.tensors.items()}
         return Batch(tensors, dict(self.non_tensors), dict(self.meta_info), self.seq_lens)
 
     def digest(self) -> Tensor:
@@ -339,6 +340,17 @@ def _checksum(x: Tensor) -> Tensor:
     flat = bits.flatten().long().remainder(_MODULUS)
     weights = torch.arange(1, flat.numel() + 1, device=flat.device).remainder(_MODULUS)
     return (flat * weights).remainder(_MODULUS).sum()
+
+
+def attended(attention_mask: Tensor) -> Tensor:
+    """Attended tokens per row as integers, whatever the 0/1 mask's dtype (a float mask's sum would be a float)."""
+    return attention_mask.bool().sum(-1)
+
+
+def copied_to(x: Tensor, device: torch.device, non_blocking: bool) -> Tensor:
+    """`x` on `device`. Only a copy from the host may skip waiting (the device's stream orders it before any use); a
+    copy from a device blocks until it has landed, since the host or another device reads it next, unordered."""
+    return x.to(device, non_blocking=non_blocking and x.device.type == "cpu")
 
 
 def to_device(x: Tensor, device: torch.device) -> Tensor:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ppo_critic.data.batch import attended
+
 
 @dataclass
 class PackedBatch:
@@ -67,7 +69,7 @@ def pack(
     tokens per row on the host (`Batch.lengths()`), size the packed row without a host sync; without them the mask
     is read (one sync)."""
     b, t = input_ids.shape
-    lengths = attention_mask.sum(-1).tolist() if lengths is None else lengths
+    lengths = attended(attention_mask).tolist() if lengths is None else lengths
     valid = attention_mask.bool()
     indices = valid_positions(valid.flatten(), sum(lengths))
     seqlens = valid.sum(-1, dtype=torch.int32)
