@@ -36,6 +36,30 @@ OPTIONS_TITLE = "options (key=value; the default, then what it does):"
 ALIASES = {"backend": "critic.strategy", "megatron.": "critic.megatron."}
 # what a saved config may not decide: options that import or run code (only this command line sets them)
 CODE_FREE = {"trust_remote_code": False, "external_lib": None}
+# what `values` takes from the command line (beside data= and out=): how the forward runs, never what the model's
+# outputs mean, which is the run's or the export's
+VALUES_OPTIONS = (
+    "trainer.device",
+    "trainer.dist_timeout_s",
+    "trainer.rollout_batch_size",
+    "critic.ppo_mini_batch_size",
+    "critic.rollout_n",
+    "critic.ppo_micro_batch_size",
+    "critic.ppo_micro_batch_size_per_gpu",
+    "critic.forward_micro_batch_size",
+    "critic.forward_micro_batch_size_per_gpu",
+    "critic.use_dynamic_bsz",
+    "critic.ppo_max_token_len_per_gpu",
+    "critic.forward_max_token_len_per_gpu",
+    "critic.ulysses_sequence_parallel_size",
+    "critic.dtype",
+    "critic.model.use_remove_padding",
+    "critic.model.attn_implementation",
+    "critic.model.use_torch_compile",
+    "critic.model.tokenizer_path",
+    "critic.model.trust_remote_code",
+    "critic.model.external_lib",
+)
 
 
 # a missing module -> the extra that installs it
@@ -115,7 +139,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Per-token values of every row of a rollout file (.jsonl/.parquet), in the input order.",
     )
     values.add_argument("source", type=Path, help="a run directory (its newest checkpoint) or an HF model directory")
-    values.add_argument("overrides", nargs="*", metavar="key=value", help="data=FILE out=FILE, and any train option")
+    values.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="data=FILE out=FILE, and how the forward runs: " + ", ".join(VALUES_OPTIONS) + ". What the outputs "
+        "mean (objective, value normalisation, the model) is the run's or the export's",
+    )
     values.add_argument("--force", action="store_true", help="replace an existing out= file")
     values.set_defaults(run=_values, subparser=values)
     bench = sub.add_parser(
@@ -263,8 +293,10 @@ def _config_for(source: Path, overrides: list[str]) -> TrainConfig:
     """The options of a run directory (its config.yaml) or of an HF model directory, checked without building the
     model: a missing checkpoint or an incomplete critic is refused here, before any slow work.
 
-    Options that import or execute code (critic.model.trust_remote_code, critic.model.external_lib) come only from
-    this command line, never from the run directory's saved config: opening someone's run directory runs no code.
+    What the model's outputs mean (its objective, value normalisation, the model itself) is the run's or the
+    export's: the command line may set only how the forward runs (`VALUES_OPTIONS`) or repeat a saved value. Options
+    that import or execute code (critic.model.trust_remote_code, critic.model.external_lib) come only from this
+    command line, never from the run directory's saved config: opening someone's run directory runs no code.
     """
     from omegaconf import OmegaConf
 
@@ -276,13 +308,33 @@ def _config_for(source: Path, overrides: list[str]) -> TrainConfig:
         base.setdefault("critic", {}).setdefault("model", {}).update(CODE_FREE)
         if latest_checkpoint(source / "checkpoints") is None:
             raise FileNotFoundError(f"{source} has no complete checkpoint under checkpoints/")
-        return load_config(None, [*overrides, "trainer.resume=never"], base=base)
+        return _kept_meaning(overrides, [], base, source / "config.yaml")
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is neither a run directory nor a model directory")
     from ppo_critic.models.hf import check_trained_critic
 
     check_trained_critic(source)  # every tensor a critic needs, or a refusal naming what is missing
-    return load_config(None, [*_exported_objective(source), *overrides, f"critic.model.path={source}"])
+    declared = [*_exported_objective(source, overrides), f"critic.model.path={source}"]
+    return _kept_meaning(overrides, declared, None, source / "config.json")
+
+
+def _kept_meaning(overrides: list[str], fixed: list[str], base: dict | None, where: Path) -> TrainConfig:
+    """The source's options (`base` ← `fixed`) with the command line's `overrides`, which may change only
+    `VALUES_OPTIONS`; any other option that differs from the source's is refused, every key named."""
+    from ppo_critic.config.ranks import flat_options
+
+    saved = flat_options(load_config(None, [*fixed, "trainer.resume=never"], base=base).to_dict())
+    cfg = load_config(None, [*fixed, *overrides, "trainer.resume=never"], base=base)
+    now = flat_options(cfg.to_dict())
+    differ = [k for k in sorted(now) if now[k] != saved.get(k) and k not in VALUES_OPTIONS]
+    if differ:
+        listed = "; ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in differ)
+        raise ValueError(
+            f"values reads these options from {where}, not from the command line ({listed}): they decide what the "
+            "model's outputs mean; drop them (values takes data=, out= and how the forward runs: ppo-critic values "
+            "--help)"
+        )
+    return cfg
 
 
 def _worker_of(source: Path, cfg: TrainConfig) -> Any:
@@ -321,17 +373,31 @@ def _load_newest(worker: Any, root: Path, tries: int = 5) -> None:
                 raise
 
 
-def _exported_objective(model_dir: Path) -> list[str]:
-    """`critic.vf_loss_type=X` when the export in `model_dir` names an objective whose outputs are not the values
-    (config.json's `EXPORTED_OBJECTIVE`); an option given on the command line comes after it and wins."""
-    from ppo_critic.config.modes import EXPORTED_OBJECTIVE
+def _exported_objective(model_dir: Path, overrides: list[str]) -> list[str]:
+    """The options an export's config.json declares (`EXPORTED_OBJECTIVE`): its objective, and value normalisation
+    off (the statistics are folded into its head). A config.json that declares none is refused unless the command
+    line says how to read the outputs (`critic.vf_loss_type=mse` for a critic whose outputs are its values)."""
+    from ppo_critic.config.modes import EXPORTED_OBJECTIVE, VF_LOSS_TYPES
 
+    config_file = model_dir / "config.json"
     try:
-        name = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get(EXPORTED_OBJECTIVE)
+        name = json.loads(config_file.read_text(encoding="utf-8")).get(EXPORTED_OBJECTIVE)
     except (OSError, ValueError, AttributeError):
         return []  # no readable config: the model loader says what is wrong
-    # an export holds no return statistics (folded into the head), and such objectives take none
-    return [f"critic.vf_loss_type={name}", "critic.value_norm=off"] if isinstance(name, str) else []
+    given = [o.split("=", 1)[1] for o in overrides if _expand_alias(o).startswith("critic.vf_loss_type=")]
+    if name is None and not given:
+        raise ValueError(
+            f"{config_file} does not say how to read the model's outputs (no {EXPORTED_OBJECTIVE}; ppo-critic's "
+            "exports name their objective there): pass critic.vf_loss_type=mse if its outputs are the values "
+            "(e.g. a critic saved by verl)"
+        )
+    name = given[-1] if name is None else name
+    if name not in VF_LOSS_TYPES:
+        raise ValueError(
+            f"{config_file}: {EXPORTED_OBJECTIVE}={name!r} is unknown; expected one of {tuple(VF_LOSS_TYPES)} (an "
+            "objective registered at run time cannot be read back by ppo-critic values)"
+        )
+    return [f"critic.vf_loss_type={name}", "critic.value_norm=off"]
 
 
 class _Version(argparse.Action):
