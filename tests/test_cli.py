@@ -135,6 +135,53 @@ def test_values_are_written_in_input_order(tmp_path, capsys):
     assert code == 0, text
 
 
+def test_values_takes_what_outputs_mean_from_the_run_or_the_export_never_from_the_command_line(tmp_path, capsys):
+    """Issue 52: `values` on a PopArt run with critic.value_norm=off wrote normalised outputs, and an export whose
+    config.json lost its objective gave logits, both with exit 0. Now an option that changes what the outputs mean
+    is refused (the run's or the export's is used), how the forward runs may change, and an export that does not
+    say how to read its outputs is refused unless the command line says it."""
+    from test_train import write_rollout_file
+
+    data, run, exported = tmp_path / "rollouts.jsonl", tmp_path / "run", tmp_path / "exported"
+    write_rollout_file(data, 12)
+    assert run_cli(["train", f"data={data}", f"trainer.run_dir={run}", *SHORT], capsys)[0] == 0  # PopArt + EMA
+    assert run_cli(["export", str(run), str(exported)], capsys)[0] == 0
+
+    def values(source, *extra, code=0):
+        out = tmp_path / f"values_{len(list(tmp_path.glob('values_*')))}.jsonl"
+        got, text = run_cli(["values", str(source), f"data={data}", f"out={out}", *extra], capsys)
+        assert got == code and out.exists() == (code == 0), text
+        return text if code else [v for line in out.read_text().splitlines() for v in json.loads(line)["values"]]
+
+    plain = torch.tensor(values(run))
+    # the same sums cut into other micro-batches, packed or not: conftest.FP32_REORDERED
+    for forward in (["critic.forward_micro_batch_size_per_gpu=1", "critic.model.use_remove_padding=false"],
+                    ["critic.value_norm=popart", "critic.use_dynamic_bsz=true"]):  # fmt: skip
+        torch.testing.assert_close(torch.tensor(values(run, *forward)), plain, **FP32_REORDERED)
+    torch.testing.assert_close(torch.tensor(values(exported)), plain, **FP32_REORDERED)
+    for source, option, saved in (
+        (run, "critic.value_norm=off", "'popart' -> 'off'"),
+        (run, "critic.ema_decay=0", "0.9 -> 0.0"),
+        (run, "critic.model.override_config.hidden_size=16", "critic.model.override_config"),
+        (exported, "critic.value_norm=popart", "critic.value_norm: 'off' -> 'popart'"),
+        (exported, "critic.vf_loss_type=bce", "critic.vf_loss_type: 'mse' -> 'bce'"),
+    ):
+        text = values(source, option, code=2)
+        where = source / ("config.yaml" if source == run else "config.json")
+        assert f"values reads these options from {where}, not from the command line (" in text, text
+        assert saved in text and "ppo-critic values --help" in text, text
+    config = json.loads((exported / "config.json").read_text())
+    assert config.pop("ppo_critic_vf_loss_type") == "mse"
+    (exported / "config.json").write_text(json.dumps(config))
+    text = values(exported, code=2)
+    assert f"{exported / 'config.json'} does not say how to read the model's outputs" in text, text
+    assert "pass critic.vf_loss_type=mse if its outputs are the values" in text, text
+    torch.testing.assert_close(torch.tensor(values(exported, "critic.vf_loss_type=mse")), plain, **FP32_REORDERED)
+    (exported / "config.json").write_text(json.dumps(config | {"ppo_critic_vf_loss_type": "pinball"}))
+    text = values(exported, code=2)
+    assert f"{exported / 'config.json'}: ppo_critic_vf_loss_type='pinball' is unknown" in text, text
+
+
 def test_a_run_on_text_rows_and_its_values_equal_the_same_rows_as_token_ids(tmp_path, capsys):
     """`prompt` / `response` text with critic.model.tokenizer_path: trained on and evaluated like the ids it becomes
     (the tokenizer directory recorded in the run is used again by `values`)."""

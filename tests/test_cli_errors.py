@@ -183,12 +183,14 @@ def test_a_config_directory_is_one_line_naming_it(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A tiny HF value model (TokenClassification, one label) with 64 positions."""
+    """A tiny HF value model (TokenClassification, one label) with 64 positions, naming its objective as an export
+    does."""
     from transformers import AutoModelForTokenClassification, Qwen2Config
 
     from conftest import TINY
 
     config = Qwen2Config(**{**TINY, "max_position_embeddings": 64}, num_labels=1, use_cache=False)
+    config.ppo_critic_vf_loss_type = "mse"
     directory = tmp_path_factory.mktemp("critic")
     AutoModelForTokenClassification.from_config(config).save_pretrained(directory)
     return directory

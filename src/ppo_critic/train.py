@@ -325,6 +325,8 @@ def train(
     cfg = resolve_model(cfg, source.vocab_size, source.max_length)
     worker = make_worker(cfg)
     t = cfg.trainer
+    if t.export_hf:  # an export that would be refused at the last step is refused before the first
+        worker.check_exportable()
     schedule = SurpriseSchedule(t.surprise_z, t.surprise_steps, t.surprise_lr_scale) if t.surprise_z else None
     out = out or sys.stdout
     say = functools.partial(print, file=out) if worker.rank == 0 else lambda *_: None  # the first rank alone prints

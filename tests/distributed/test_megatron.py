@@ -54,9 +54,12 @@ CONFIGS = {  # Qwen2 + the distributed optimizer (Adam) + fixed micro-batches; L
 }
 
 
-def reference(path: Path, configs: dict = CONFIGS) -> dict:
-    """The single-process data-parallel critic (strategy none) on the same global batch."""
+def reference(path: Path, configs: dict = CONFIGS, unit_returns: bool = False) -> dict:
+    """The single-process data-parallel critic (strategy none) on the same global batch (`unit_returns`: its
+    returns squashed into [0, 1], as bce takes them)."""
     batch = make_batch(16, 7, 6, seed=3)
+    if unit_returns:
+        batch["returns"] = torch.sigmoid(batch["returns"]) * batch["attention_mask"][:, -6:]
     modes = {}
     for mode, cfg in configs.items():
         worker = CriticWorker(copy.deepcopy(cfg) | {"megatron": {}}, seed=0)

@@ -12,8 +12,9 @@ VF_LOSS_TYPES = {
     "huber": "quadratic within huber_delta of the return, linear beyond",
     "bce": "0/1 rewards: value sigmoid(logit), loss the cross entropy against the return clipped to [0, 1]",
 }
-# the HF config key under which an export names an objective other than mse: its outputs are then not the values
-# (bce: logits), and `ppo-critic values` on the export applies the objective's map
+BUILT_IN_VF_LOSS_TYPES = tuple(VF_LOSS_TYPES)  # the names `register` may not take over
+# the HF config key under which every export names its objective, which says how its outputs become values (bce:
+# logits); `ppo-critic values` on the export applies the objective's map, and refuses an export that names none
 EXPORTED_OBJECTIVE = "ppo_critic_vf_loss_type"
 VALUE_NORM_MODES = ("off", "running", "popart")
 LENGTH_ADAPTIVE_SCOPES = ("response", "batch")  # whose length sets the length-adaptive λ

@@ -358,6 +358,8 @@ class PPOCriticBase:
         batch = Batch.from_any(data)
         batch.validate(require_targets=require_targets)
         self.check_token_ids(batch)
+        if require_targets:  # returns the objective cannot model (bce: outside [0, 1])
+            self.objective.check_returns(batch["returns"], batch.response_mask)
         self._check_batch(batch)
         self._check_same_batch(batch)
         return batch
@@ -403,8 +405,14 @@ class PPOCriticBase:
         raise NotImplementedError
 
     def _use_objective(self) -> None:
-        """Build `critic.vf_loss_type`'s objective; a `value_norm` it does not work with is refused."""
+        """Build `critic.vf_loss_type`'s objective; a `value_norm` it does not work with is refused (PopArt rescales
+        the head's one output, so it needs that output to be the value)."""
         objective, cfg = objective_of(self.config), self.config
+        if cfg.value_norm == "popart" and not objective.identity:
+            raise ValueError(
+                f"vf_loss_type={cfg.vf_loss_type} works with value_norm off or running, not popart (PopArt rescales "
+                "a head whose one output is the value)"
+            )
         if cfg.value_norm not in objective.value_norms:
             raise ValueError(
                 f"vf_loss_type={cfg.vf_loss_type} works with value_norm {' or '.join(objective.value_norms)}, "

@@ -171,10 +171,21 @@ class CriticWorker:
         into the value head (`w·σ`, `b·σ + μ`); under `ema_decay` the weights are the moving average. Either way the
         export gives the values `compute_values` gives. `out_dir` must not exist or be empty, unless `replace`
         (an export this worker's run wrote before: `checkpoint.export_hf`)."""
-        if self.config.vf_loss_type != "mse":  # config.json says how outputs become values
-            setattr(self.hf_config, EXPORTED_OBJECTIVE, self.config.vf_loss_type)
+        self.check_exportable()
+        setattr(self.hf_config, EXPORTED_OBJECTIVE, self.config.vf_loss_type)  # how its outputs become values
         with self.offload.resident(model=True), self.critic.averaged_weights():  # ema_decay: the values' average
             return self.backend.export_hf(out_dir, replace)
+
+    def check_exportable(self) -> None:
+        """Refuse, before anything is written (a trainer: before it trains), an export whose fold of `value_norm`'s
+        statistics into the head would be wrong: the fold rescales the head's one output, which must be the value."""
+        cfg = self.config
+        if self.critic.value_norm.enabled and not self.critic.objective.identity:
+            raise ValueError(
+                f"vf_loss_type={cfg.vf_loss_type}: an HF export folds value_norm={cfg.value_norm}'s statistics into "
+                "the value head, which needs a head whose one output is the value; set value_norm=off (or "
+                "trainer.export_hf=false)"
+            )
 
     def _value_norm_state(self) -> dict[str, Tensor]:
         """The return statistics of `critic.value_norm` (CPU copies; nothing when it is off)."""

@@ -22,14 +22,35 @@ def test_the_value_is_the_sigmoid_of_the_one_output():
     torch.testing.assert_close(BCE.values(z), torch.sigmoid(z), rtol=0, atol=0)
 
 
-def test_unclipped_the_loss_is_the_mean_cross_entropy_against_the_return_clipped_to_0_1():
+def test_unclipped_the_loss_is_the_mean_cross_entropy_against_the_return():
     z, mask = torch.randn(3, 4), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
-    returns = torch.tensor([[0.0, 1.0, 1.7, float("nan")], [-0.2, 1.0, 0.0, 0.0], [1.0, 0.0, 0.3, 1.0]])
+    returns = torch.tensor([[0.0, 1.0, 0.7, float("nan")], [0.2, 1.0, 5.0, 0.0], [1.0, 0.0, 0.3, 1.0]])
     loss, clipfrac = BCE.loss(z, returns, torch.full_like(z, 0.5), mask, None)
-    target = returns.clamp(0, 1)
+    target = torch.where(mask.bool(), returns, 0.0)
     expected = F.binary_cross_entropy_with_logits(z, target, reduction="none")[mask.bool()].mean()
     torch.testing.assert_close(loss, expected)
     assert clipfrac == 0
+
+
+def test_returns_outside_0_1_are_refused_before_any_step_not_clipped(tiny_qwen2):
+    """Issue 52: bce clipped returns of another scale (rewards -3..5) in silence; now the update refuses them, naming
+    the first and the fix, with the model and optimizer unchanged. Masked positions may hold anything."""
+    from conftest import state_hash
+
+    mask = torch.tensor([[1, 1, 0]])
+    BCE.check_returns(torch.tensor([[0.0, 1.0, 7.0]]), mask)  # 7 is masked
+    with pytest.raises(ValueError, match=r"holds -0.5 at sample 0, response token 1, outside \[0, 1\]"):
+        BCE.check_returns(torch.tensor([[1.0, -0.5, 0.0]]), mask)
+    model = tiny_qwen2()
+    critic = DataParallelPPOCritic(
+        {"ppo_mini_batch_size": 8, "vf_loss_type": "bce"}, model, torch.optim.Adam(model.parameters())
+    )
+    batch = make_batch(8, 6, 5, seed=0)
+    batch["returns"] = batch["attention_mask"][:, -5:] * 5.0
+    before = state_hash(model, critic.critic_optimizer)
+    with pytest.raises(ValueError, match=r"outside \[0, 1\] \(\d+ valid position\(s\) are\): vf_loss_type=bce models"):
+        critic.update_critic(batch)
+    assert state_hash(model, critic.critic_optimizer) == before
 
 
 def test_clipping_bounds_the_logit_around_the_old_values_and_stops_the_gradient_beyond():
@@ -76,7 +97,7 @@ def test_megatron_gives_the_data_parallel_critics_bernoulli_values_and_update(tm
     from distributed.test_layouts import torchrun
     from distributed.test_megatron import BASE, HERE, reference
 
-    reference(tmp_path / "reference.pt", {"bce": BASE | {"vf_loss_type": "bce"}})
+    reference(tmp_path / "reference.pt", {"bce": BASE | {"vf_loss_type": "bce"}}, unit_returns=True)
     out = tmp_path / "out.json"
     argv = (str(HERE / "megatron_worker.py"), str(tmp_path / "reference.pt"), str(out), str(tmp_path / "export"))
     result = torchrun(*argv, nproc=1, env={"MEGATRON_LAYOUTS": "tp1pp1"})
@@ -88,7 +109,7 @@ def test_megatron_gives_the_data_parallel_critics_bernoulli_values_and_update(tm
 
 def test_values_of_a_bce_export_are_probabilities_as_from_its_run(tmp_path, capsys):
     """An export's config.json names an objective whose outputs are not the values; `ppo-critic values` on it gives
-    σ(logit), the run directory's values, unless the command line says otherwise."""
+    σ(logit), the run directory's values; the command line cannot say otherwise (issue 52: it gave logits)."""
     from test_cli import run_cli
     from test_train import SHORT, write_rollout_file
 
@@ -109,5 +130,7 @@ def test_values_of_a_bce_export_are_probabilities_as_from_its_run(tmp_path, caps
     from_run, from_export = values(run), values(exported)
     assert ((from_export > 0) & (from_export < 1)).all()
     torch.testing.assert_close(from_export, from_run, rtol=1e-5, atol=1e-5)  # conftest.FP32_REORDERED's bound
-    logits = values(exported, "critic.vf_loss_type=mse")  # the command line wins: the head's raw outputs
-    torch.testing.assert_close(torch.sigmoid(logits), from_export, rtol=1e-5, atol=1e-5)
+    for source in (exported, run):
+        out = tmp_path / "logits.jsonl"
+        code, text = run_cli(["values", str(source), f"data={data}", f"out={out}", "critic.vf_loss_type=mse"], capsys)
+        assert code == 2 and "critic.vf_loss_type: 'bce' -> 'mse'" in text and not out.exists(), text

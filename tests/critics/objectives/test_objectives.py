@@ -10,6 +10,7 @@ from conftest import bench_script, make_batch
 from ppo_critic import DataParallelPPOCritic
 from ppo_critic.algos import LOSS_AGG_MODES, compute_value_loss
 from ppo_critic.config.critic import CriticConfig
+from ppo_critic.config.modes import VALUE_NORM_MODES as VALUE_NORM_ALL
 from ppo_critic.config.modes import VF_LOSS_TYPES
 from ppo_critic.critics import objectives
 from ppo_critic.critics.objectives import objective_of, register
@@ -116,3 +117,56 @@ def test_the_export_holds_a_head_of_several_outputs_as_it_is_and_names_its_objec
     assert exported.num_labels == 7 and exported.ppo_critic_vf_loss_type == "test_hl_gauss"
     again = CriticWorker(config | {"model": {"path": str(tmp_path / "export")}})
     torch.testing.assert_close(again.compute_values(batch), worker.compute_values(batch), rtol=1e-5, atol=1e-5)
+
+
+def test_register_refuses_what_would_change_other_runs_or_fail_later(tiny_qwen2):
+    """Issue 52: `register` took over a built-in name for the whole process without a word; a build returning None
+    failed with an AttributeError deep in the update, an objective of 0 outputs trained a NaN loss. Each is now a
+    one-line refusal naming the objective, before anything changes."""
+    from ppo_critic.critics.objectives.mse import SquaredError
+
+    for name in ("mse", "huber", "bce"):
+        with pytest.raises(ValueError, match=f"vf_loss_type='{name}' is built in; register your objective under"):
+            register(name, lambda config: SquaredError())
+    with pytest.raises(TypeError, match="build must be a function of the critic config"):
+        register("test_not_callable", SquaredError())
+    with pytest.raises(ValueError, match="must be an identifier"):
+        register("two words", lambda config: SquaredError())
+    assert objective_of(CriticConfig(vf_loss_type="mse")).loss_type == "mse"  # still the built-in
+
+    class NoOutputs(SquaredError):
+        outputs = 0
+
+    register("test_none", lambda config: None)
+    register("test_no_outputs", lambda config: NoOutputs())
+    cases = {"test_none": (TypeError, "its build returned NoneType, not a ValueObjective")}
+    cases["test_no_outputs"] = (ValueError, "its objective has outputs=0; a value head gives a positive integer")
+    model = tiny_qwen2()
+    for name, (error, message) in cases.items():
+        with pytest.raises(error, match=f"vf_loss_type='{name}': {message}"):
+            DataParallelPPOCritic({"ppo_mini_batch_size": 2, "vf_loss_type": name}, model, None)
+
+
+def test_an_export_that_would_fold_statistics_into_a_non_value_head_is_refused_before_training(tmp_path):
+    """value_norm=running with an objective whose head output is not the value trains, but its export's fold would
+    give wrong values: refused when the trainer starts (it failed at the last step, after the whole run), and by
+    `export_hf` before anything is written. PopArt with such an objective is refused at construction."""
+    from ppo_critic.cli import load_config
+    from ppo_critic.train import train
+    from test_train import SHORT
+
+    register("test_hl_gauss", lambda config: _screens().HLGauss(7, -2.0, 2.0, 0.75))
+    options = [*SHORT, f"trainer.run_dir={tmp_path / 'run'}", "critic.vf_loss_type=test_hl_gauss"]
+    message = "an HF export folds value_norm=running's statistics into the value head, which needs a head whose one"
+    with pytest.raises(ValueError, match=message):
+        train(load_config(None, [*options, "critic.value_norm=running", "critic.ema_decay=0"]))
+    assert not (tmp_path / "run").exists()
+    train(load_config(None, [*options, "critic.value_norm=running", "trainer.export_hf=false", "critic.ema_decay=0"]))
+    assert not (tmp_path / "run" / "hf").exists()
+
+    class Logit(_screens().HLGauss):
+        value_norms = VALUE_NORM_ALL
+
+    register("test_any_norm", lambda config: Logit(7, -2.0, 2.0, 0.75))
+    with pytest.raises(ValueError, match="works with value_norm off or running, not popart"):
+        train(load_config(None, [*options[:-1], "critic.vf_loss_type=test_any_norm", "trainer.run_dir=x"]))

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ppo_critic.backends.data_parallel.fsdp import average_plain_gradients, clip_grad_norm
 from ppo_critic.config.critic import CriticConfig, RankSizes
+from ppo_critic.config.modes import EXPORTED_OBJECTIVE
 from ppo_critic.config.ranks import check_ranks_agree
 from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics
 from ppo_critic.critics.ema import ParameterEMA
@@ -138,7 +139,8 @@ class DataParallelPPOCritic(PPOCriticBase):
     def _check_head(self) -> None:
         """The value head gives the objective's outputs per token and, under PopArt, has a bias (a model that names
         no head is taken as it is, but PopArt needs one). An objective whose values are not the head's output is
-        named in the model's HF config (`ppo_critic_vf_loss_type`), so an HF export says how to read its head."""
+        named in the model's HF config (`ppo_critic_vf_loss_type`, any objective), so an HF save says how to read its
+        head."""
         popart = self.value_norm.mode == "popart"
         try:
             head = getattr(*find_value_head(self.critic_module))
@@ -154,8 +156,8 @@ class DataParallelPPOCritic(PPOCriticBase):
         if popart and head.bias is None:
             raise ValueError("value_norm=popart needs a value head with a bias (the mean shift goes there)")
         hf_config = getattr(unwrap(self.critic_module), "config", None)
-        if not self.objective.identity and hf_config is not None:  # an HF export holds the head as it is: say so
-            hf_config.ppo_critic_vf_loss_type = self.config.vf_loss_type
+        if hf_config is not None:  # an HF save holds the head as it is: say how to read it
+            setattr(hf_config, EXPORTED_OBJECTIVE, self.config.vf_loss_type)
 
     def _check_trainable(self) -> None:
         """The optimizer steps this model (checked at the first update: a critic that only computes values may hold

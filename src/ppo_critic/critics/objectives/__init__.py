@@ -13,7 +13,7 @@ from collections.abc import Callable
 from torch import Tensor
 
 from ppo_critic.config.critic import CriticConfig
-from ppo_critic.config.modes import VALUE_NORM_MODES, VF_LOSS_TYPES
+from ppo_critic.config.modes import BUILT_IN_VF_LOSS_TYPES, VALUE_NORM_MODES, VF_LOSS_TYPES
 
 
 class ValueObjective:
@@ -26,11 +26,15 @@ class ValueObjective:
     """the `critic.value_norm` modes it works with"""
     identity: bool = True
     """whether a value is the head's one output, as PopArt and verl's engine (whose own loss is the squared error)
-    assume; an HF export of any other objective is named in its config (`ppo_critic_vf_loss_type`)"""
+    assume (an HF export names its objective in its config either way: `ppo_critic_vf_loss_type`)"""
 
     def values(self, outputs: Tensor) -> Tensor:
         """Outputs [..., outputs] ([...] when there is one) → values [...]."""
         return outputs
+
+    def check_returns(self, returns: Tensor, response_mask: Tensor) -> None:
+        """Refuse returns [B, R] (at valid positions) the objective cannot model, before any step; any finite
+        return by default."""
 
     def loss(
         self,
@@ -52,15 +56,39 @@ _REGISTERED: dict[str, Builder] = {}
 
 
 def register(name: str, build: Builder) -> None:
-    """Make `critic.vf_loss_type=name` select `build(config)`: an objective defined outside this package."""
+    """Make `critic.vf_loss_type=name` select `build(config)`: an objective defined outside this package, under a
+    name of its own (a built-in name is refused: it would change what every run of this process trains)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"register: the objective's name must be an identifier (a vf_loss_type), got {name!r}")
+    if name in BUILT_IN_VF_LOSS_TYPES:
+        raise ValueError(f"register: vf_loss_type={name!r} is built in; register your objective under another name")
+    if not callable(build):
+        raise TypeError(f"register: build must be a function of the critic config, got {type(build).__name__}")
     _REGISTERED[name] = build
     VF_LOSS_TYPES.setdefault(name, "registered at run time")
 
 
 def objective_of(config: CriticConfig) -> ValueObjective:
-    """The objective `config.vf_loss_type` names: a registered one, else the module of that name here."""
+    """The objective `config.vf_loss_type` names: a registered one, else the module of that name here; what a build
+    returns is checked to be an objective whose head gives at least one output per token."""
     name = config.vf_loss_type
     if name not in VF_LOSS_TYPES:
         raise ValueError(f"vf_loss_type={name!r} is unknown; expected one of {tuple(VF_LOSS_TYPES)}")
     build = _REGISTERED.get(name) or importlib.import_module(f"{__name__}.{name}").build
-    return build(config)
+    return _checked(name, build(config))
+
+
+def _checked(name: str, objective: object) -> ValueObjective:
+    """`objective` when it is a `ValueObjective` of a positive integer number of outputs, else a one-line refusal
+    naming the objective (0 outputs would train a NaN loss; None would fail deep in the update)."""
+    if not isinstance(objective, ValueObjective):
+        raise TypeError(
+            f"vf_loss_type={name!r}: its build returned {type(objective).__name__}, not a ValueObjective; return one"
+        )
+    outputs = objective.outputs
+    if isinstance(outputs, bool) or not isinstance(outputs, int) or outputs < 1:
+        raise ValueError(
+            f"vf_loss_type={name!r}: its objective has outputs={outputs!r}; a value head gives a positive integer "
+            "number of outputs per token"
+        )
+    return objective
