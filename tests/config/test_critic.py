@@ -112,9 +112,9 @@ def test_unknown_keys_are_named_with_a_suggestion():
         ),
         (
             {"model": {"use_remove_padding": "yes"}},
-            "model.use_remove_padding='yes' is unknown; expected true, false or",
+            "model.use_remove_padding='yes' must be true or false or 'auto'",
         ),
-        ({"model": {"use_remove_padding": 1}}, "model.use_remove_padding=1 is unknown"),
+        ({"model": {"use_remove_padding": 1}}, "model.use_remove_padding=1 must be true or false or 'auto'"),
         ({"model": {"value_head_init": "normal:abc"}}, "model.value_head_init='normal:abc' is invalid"),
         ({"model": {"value_head_dtype": "fp8"}}, "model.value_head_dtype='fp8' is unknown"),
         ({"model": {"head": "mlp"}}, "model.head='mlp' is unknown"),
@@ -250,7 +250,7 @@ def test_dynamic_batching_does_not_need_divisible_micro_batches():
             {"task": {"name": "chess"}},
             "task.name='chess' is unknown; built-in tasks: ['counting', 'dense', 'lengths', 'long', 'recall', 'scale']",
         ),
-        ({"critic": {"model": {"use_remove_padding": "on"}}}, "critic.model.use_remove_padding='on' is unknown"),
+        ({"critic": {"model": {"use_remove_padding": "on"}}}, "critic.model.use_remove_padding='on' must be true or"),
     ],
 )
 def test_each_invalid_trainer_setting_is_explained(options, message):

@@ -141,3 +141,18 @@ def test_resume_auto_skips_damaged_checkpoints_out_loud(tmp_path):
         rundir.resume(tmp_path / "checkpoints", "auto", CriticWorker(config).load_checkpoint, said.append)
     with pytest.raises(CheckpointDamaged, match=r"trainer_state\.json does not match"):
         CriticWorker(config).load_checkpoint(tmp_path / "checkpoints" / "step_00000001")
+
+
+def test_a_run_that_never_trained_a_step_takes_new_options(tmp_path):
+    """Issue 52: a start that failed before its first step (a refused batch) left a config.yaml that every later
+    command had to repeat; nothing was trained with it (no checkpoint, no metric row), so new options apply. Once a
+    step is recorded, or a checkpoint exists, the saved options hold again."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"trainer": {"steps": 4}, "critic": {"vf_loss_type": "bce"}}))
+    (run / "metrics.jsonl").write_text("")
+    now = {"trainer": {"steps": 4}, "critic": {"vf_loss_type": "mse"}}
+    assert rundir.option_changes(run, now, rundir.CHANGEABLE_ON_RESUME) == {}
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match=r"critic.vf_loss_type: 'bce' -> 'mse'\. They cannot change"):
+        rundir.option_changes(run, now, rundir.CHANGEABLE_ON_RESUME)

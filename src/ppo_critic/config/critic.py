@@ -18,7 +18,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ppo_critic.config import verl
 from ppo_critic.config.modes import LOSS_AGG_MODES, VALUE_NORM_MODES, VF_LOSS_TYPES
@@ -101,7 +101,7 @@ class ModelConfig:
     """a module imported before the model is built, e.g. to register an architecture (verl); runs code"""
     trust_remote_code: bool = False
     """let transformers run the model directory's own code (verl); never read from a run's saved config"""
-    use_remove_padding: bool | str = "auto"
+    use_remove_padding: bool | Literal["auto"] = "auto"
     """pack each micro-batch's valid tokens into one row (varlen attention) instead of padding. auto: packed wherever
     the model can run packed rows (faster on CUDA and CPU), else padded (e.g. a custom module or
     attn_implementation=eager); true: packed or an error saying why not; false: padded (verl)"""
@@ -658,11 +658,28 @@ def _nested_key(cls: type, key: str) -> str | None:
     return None
 
 
-def _decode_hint(value: Any, base: Any) -> str:
-    """For a number or a boolean given as text (what `${oc.env:X}` always gives): how to have it read as one."""
+def _text_hint(value: Any, base: Any) -> str:
+    """For text where a number or a boolean is expected, why it is text: `nan` / `inf`, which YAML reads as text and
+    no option takes, or a number quoted in YAML or given by `${oc.env:X}` (always text), with how to have it read."""
     if not isinstance(value, str) or base not in (int, float, bool):
         return ""
-    return " (an ${oc.env:...} value is text: write ${oc.decode:${oc.env:NAME}} to read it as YAML)"
+    text = value.strip().lower()
+    if text.lstrip("+-.") in ("nan", "inf", "infinity"):
+        return f" ({value} is not a finite number: every numeric option takes one)"
+    if text not in ("true", "false") and not _reads_as_number(text):
+        return ""
+    return (
+        " (an ${oc.env:...} value is text, as is a number quoted in YAML: write ${oc.decode:${oc.env:NAME}} to read "
+        "it as YAML, or the number without quotes)"
+    )
+
+
+def _reads_as_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}
@@ -672,13 +689,17 @@ MAX_INT = 2**63 - 1
 
 
 def _typed(name: str, value: Any, hint: Any) -> Any:
-    """`value` checked against a simple annotation (bool/int/float/str/dict/tuple, optionally `| None`)."""
+    """`value` checked against a simple annotation (bool/int/float/str/dict/tuple, a `Literal`, or a union of them:
+    the first that accepts it), as the type it names."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        options = [a for a in args if a is not type(None)]
-        return _typed(name, value, options[0]) if len(options) == 1 else value
+        return _one_of(name, value, [a for a in args if a is not type(None)])
+    if origin is typing.Literal:
+        if value not in args or isinstance(value, bool) != isinstance(args[0], bool):
+            raise ValueError(f"{name}={show(value)} must be {_wanted(hint)}")
+        return value
     base = origin or hint
     if base is tuple and args and Ellipsis not in args:
         return _fixed_tuple(name, value, args)
@@ -691,13 +712,35 @@ def _typed(name: str, value: Any, hint: Any) -> Any:
         tuple: isinstance(value, list | tuple),
     }.get(base, True)
     if not ok:
-        want = _TYPE_NAMES.get(base, f"a list of {len(args)}" if base is tuple else str(hint))
-        raise ValueError(f"{name}={show(value)} must be {want}{_decode_hint(value, base)}")
+        raise ValueError(f"{name}={show(value)} must be {_wanted(hint)}{_text_hint(value, base)}")
     if base is int and not -MAX_INT - 1 <= value <= MAX_INT:
         raise ValueError(f"{name}={show(value)} is too large: it must be a 64-bit integer (-2**63 to 2**63 - 1)")
     if base is float:
         return _float(name, value)
     return dict(value) if base is dict else tuple(value) if base is tuple else value
+
+
+def _one_of(name: str, value: Any, options: list[Any]) -> Any:
+    """`value` as the first of the union's `options` that accepts it; else one error naming them all (and why text
+    is not a number, when it is)."""
+    if len(options) == 1:
+        return _typed(name, value, options[0])
+    for option in options:
+        try:
+            return _typed(name, value, option)
+        except ValueError:
+            continue
+    hint = next((h for h in (_text_hint(value, typing.get_origin(o) or o) for o in options) if h), "")
+    raise ValueError(f"{name}={show(value)} must be {' or '.join(_wanted(o) for o in options)}{hint}")
+
+
+def _wanted(hint: Any) -> str:
+    """What an annotation takes, in words: `an integer`, `'auto'`, `a list of 2`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return " or ".join(show(a) for a in args)
+    base = origin or hint
+    return _TYPE_NAMES.get(base, f"a list of {len(args)}" if base is tuple else str(hint))
 
 
 def _float(name: str, value: int | float) -> float:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ppo_critic.config.critic import CriticConfig, OptimConfig, from_mapping, show
 from ppo_critic.config.modes import LENGTH_ADAPTIVE_SCOPES
@@ -80,7 +80,7 @@ class TrainerConfig:
     """a response position whose state (the attended tokens before it) other rows of the batch share gets the mean
     of their returns as its target: with critic.rollout_n > 1 a group's prompt and common first tokens; the same
     expectation with less noise (docs/QUALITY.md, issue 41's group screen)"""
-    replay_rows: int | str = "auto"
+    replay_rows: int | Literal["auto"] = "auto"
     """rows of the last replay_window batches trained on ahead of each fresh batch (a multiple of
     critic.ppo_mini_batch_size × rollout_n; 0: off): more of the critic's work per rollout, recent rows more often;
     their values and targets are recomputed with the current critic; built-in tasks only. auto: half of
@@ -245,7 +245,7 @@ class TrainConfig:
         task, a surprise schedule with a positive threshold."""
         t = self.trainer
         rows = t.replay_rows
-        if rows != REPLAY_AUTO and (isinstance(rows, bool | str) or rows < 0 or rows % mini):
+        if rows != REPLAY_AUTO and (rows < 0 or rows % mini):
             raise ValueError(
                 f"trainer.replay_rows={rows!r} must be auto, 0 (off) or a multiple of critic.ppo_mini_batch_size"
                 f"={self.critic.ppo_mini_batch_size} (× rollout_n={self.critic.rollout_n}): whole mini-batches"
@@ -581,7 +581,10 @@ def _too_many_digits(digits: int) -> str:
 
 def _merged(base: Any, update: Any) -> Any:
     """`update` over `base`: mappings merged key by key, anything else replaced (as OmegaConf merges, without its type
-    errors, so that a wrong type is reported by the option's own check)."""
+    errors, so that a wrong type is reported by the option's own check). A null over a mapping (a YAML section whose
+    options are all commented out) sets nothing: the section keeps its options, not the library's defaults."""
+    if isinstance(base, dict) and update is None:
+        return copy.deepcopy(base)
     if not (isinstance(base, dict) and isinstance(update, dict)):
         return copy.deepcopy(update)
     return {**base, **{k: _merged(base.get(k), v) if k in base else copy.deepcopy(v) for k, v in update.items()}}

@@ -206,11 +206,15 @@ def option_changes(
     run_dir: Path, current: dict[str, Any], changeable: tuple[str, ...], why: dict[str, str] | None = None
 ) -> dict[str, list[Any]]:
     """The options of this invocation that differ from the saved run's (`key: [saved, now]`): those in
-    `changeable`; any other difference is an error listing them all (with `why[key]` where a reason is known)."""
+    `changeable`; any other difference is an error listing them all (with `why[key]` where a reason is known). A run
+    that never trained a step (no checkpoint, no metric row: its start failed) holds nothing the options made, so it
+    takes the new ones."""
     import yaml
 
     saved_file = run_dir / CONFIG_FILE
-    if not saved_file.is_file():
+    if not saved_file.is_file() or not (
+        complete_checkpoints(run_dir / "checkpoints") or _metrics_rows(run_dir / METRICS_FILE)
+    ):
         return {}
     saved = {**ADDED_OPTIONS, **flat_options(yaml.safe_load(saved_file.read_text()) or {})}
     now = {**ADDED_OPTIONS, **flat_options(current)}
