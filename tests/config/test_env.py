@@ -16,3 +16,39 @@ def test_the_options_apply_and_an_unbalanced_quote_is_named(monkeypatch):
     monkeypatch.setenv(OPTIONS_ENV, "ema_decay='0.9")
     with pytest.raises(ValueError, match=r"could not read PPO_CRITIC_OPTIONS: no closing quotation \(an unbalanced"):
         with_options(base)
+
+
+def test_a_critics_refusal_of_an_option_the_variable_set_names_the_variable(monkeypatch):
+    """Issue 52: refusals from the critic's constructor (here: packed rows with sdpa attention) did not name
+    PPO_CRITIC_OPTIONS, where the option came from; one about an option the variable did not set is left as it is."""
+    import torch
+
+    from conftest import tiny_config
+    from ppo_critic import build_value_model
+    from ppo_critic.integrations.verl import DataParallelPPOCritic
+
+    model = build_value_model(tiny_config("qwen2"))
+    options = "model.use_remove_padding=true model.attn_implementation=sdpa"
+    monkeypatch.setenv(OPTIONS_ENV, options)
+    with pytest.raises(ValueError, match=rf"^PPO_CRITIC_OPTIONS='{options}': model.use_remove_padding: cannot run"):
+        DataParallelPPOCritic({"ppo_mini_batch_size": 2}, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    monkeypatch.setenv(OPTIONS_ENV, "ema_decay=0.5")
+    with pytest.raises(ValueError, match=r"^value_norm=popart needs"):
+        DataParallelPPOCritic({"ppo_mini_batch_size": 2, "value_norm": "popart"}, nn_without_bias(), None)
+
+
+def nn_without_bias():
+    """A model whose value head has no bias (TRL-style `v_head`), which PopArt refuses."""
+    import torch
+
+    from ppo_critic import build_value_model
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.v_head = torch.nn.Linear(4, 1, bias=False)
+
+        def forward(self, input_ids, **kwargs):
+            return None, None, self.v_head(torch.zeros(*input_ids.shape, 4))
+
+    return build_value_model(Model())

@@ -404,3 +404,33 @@ def test_weights_that_do_not_match_their_config_are_named_with_their_sizes(tmp_p
         ValueError, match=rf"do not match its config.json \(.*: \[{size}\] in the weights, \[{2 * size}\]"
     ):
         build_value_model(model)
+
+
+def test_a_config_transformers_rejects_as_a_whole_is_one_line_naming_the_file_or_the_option(tmp_path, capsys):
+    """Issue 52: `values` on an export whose config.json has one more layer than its layer_types ended in
+    huggingface_hub's validation traceback (not a ValueError); so did the same in override_config."""
+    from transformers import AutoConfig
+
+    from ppo_critic.cli import main
+    from ppo_critic.models.hf import hf_config_for
+    from ppo_critic.run.checkpoint import export_hf
+
+    export_hf(build_value_model(tiny_config("qwen2")), tmp_path / "critic")
+    if not getattr(AutoConfig.from_pretrained(tmp_path / "critic"), "layer_types", None):
+        pytest.skip("this transformers' Qwen2 config has no layer_types to disagree with")
+    config_file = tmp_path / "critic" / "config.json"
+    config = json.loads(config_file.read_text())
+    more = {"num_hidden_layers": config["num_hidden_layers"] + 1, "ppo_critic_vf_loss_type": "mse"}
+    config_file.write_text(json.dumps(config | more))
+    rule = r"`num_hidden_layers` \(3\) must be equal to the number of `layer_types` \(2\)"
+    with pytest.raises(ValueError, match=rf"{config_file} is not a valid model config: {rule}; give the config.json"):
+        hf_config_for(str(tmp_path / "critic"))
+    data = tmp_path / "rollouts.jsonl"
+    data.write_text('{"prompt_ids": [1, 2], "response_ids": [3], "reward": 1.0}\n')
+    with pytest.raises(SystemExit) as exit_:
+        main(["values", str(tmp_path / "critic"), f"data={data}", f"out={tmp_path / 'v.jsonl'}"])
+    assert exit_.value.code == 2 and "is not a valid model config" in capsys.readouterr().err
+    with pytest.raises(
+        ValueError, match=rf"^the model config \(critic.model.override_config\) is not a valid .*{rule}"
+    ):
+        hf_config_for({**tiny_config("qwen2"), "num_hidden_layers": 3, "layer_types": ["full_attention"] * 2})

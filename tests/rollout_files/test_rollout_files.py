@@ -137,6 +137,7 @@ ONE_OF = (
     "(a scalar, put on the last response token), got"
 )
 NOT_JSON = "is not valid JSON (Expecting property name enclosed in double quotes at column 20)"
+VERL_DUMP = "a row of verl's rollout dump (trainer.rollout_data_dir) has fields input, output, score"
 MALFORMED = {
     "ids-string": ({**GOOD, "response_ids": "abc"}, f"field 'response_ids' {IDS}, got 'abc'"),
     "ids-empty": ({**GOOD, "prompt_ids": []}, f"field 'prompt_ids' {IDS}, got []"),
@@ -172,6 +173,24 @@ MALFORMED = {
     "reward-bool": ({**GOOD, "reward": False}, "field 'reward' must be a finite number, got False"),
     "reward-both": ({**GOOD, "token_level_rewards": [1.0]}, f"{ONE_OF} both"),
     "reward-neither": ({**GOOD, "reward": None}, f"{ONE_OF} neither"),
+    "reward-beyond-float32": (  # issue 52: was "17 NaN/Inf, sample 1" from the critic, naming neither row nor field
+        {**GOOD, "reward": 1e39},
+        "field 'reward' holds 1e+39, beyond float32's range (±3.40e+38) in which the critic computes; scale the "
+        "rewards down",
+    ),
+    "rewards-sum-beyond-float32": (
+        {**GOOD, "response_ids": [1, 2], "reward": None, "token_level_rewards": [-3e38, 3e38]},
+        "field 'token_level_rewards': the rewards add up to 6e+38 in size, beyond float32's range (±3.40e+38), so "
+        "the returns would be infinite; scale the rewards down",
+    ),
+    "verl-dump-without-output": (  # issue 52: named prompt_ids, a field of ours the row never meant to have
+        {"input": "a question", "score": 1.0},
+        f"field 'output' is missing; {VERL_DUMP}",
+    ),
+    "verl-dump-without-input": (
+        {"output": "an answer", "score": 1.0},
+        f"field 'input' is missing; {VERL_DUMP}",
+    ),
     "not-object": ([1, 2], "must be a JSON object with fields prompt_ids, response_ids, ..., got array"),
     "bad-json": ('{"prompt_ids": [1], ', NOT_JSON),
 }
@@ -591,7 +610,7 @@ VERL_MALFORMED = {
     ),
     "no-score": (
         {"input": "<user> how <assistant>", "output": "fine"},
-        "field 'score' must be a finite number, got None",
+        f"field 'score' is missing; {VERL_DUMP}",
     ),
     "score-nan": (
         '{"input": "<user> how <assistant>", "output": "fine", "score": NaN}',

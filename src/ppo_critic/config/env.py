@@ -3,8 +3,10 @@ carry them): `PPO_CRITIC_OPTIONS="ema_decay=0.9 shuffle=true"`, key=value pairs 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+from collections.abc import Iterator
 
 from ppo_critic.config.critic import CriticConfig
 
@@ -41,3 +43,27 @@ def with_options(base: CriticConfig) -> CriticConfig:
         raise type(err)(f"{OPTIONS_ENV}: {err}") from err
     config.verl_keys = base.verl_keys
     return config
+
+
+@contextlib.contextmanager
+def named_in_refusals() -> Iterator[None]:
+    """Inside, a critic's refusal (ValueError / TypeError) that names an option `PPO_CRITIC_OPTIONS` set is raised
+    again naming the variable too: the user finds where the option came from (verl's config cannot hold it)."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        text = str(err)
+        if OPTIONS_ENV in text or not any(key in text for key in _option_keys()):
+            raise
+        raise type(err)(f"{OPTIONS_ENV}={os.environ[OPTIONS_ENV]!r}: {text}") from err
+
+
+def _option_keys() -> list[str]:
+    """The keys `PPO_CRITIC_OPTIONS` sets, each as given and as its last part (`model.use_remove_padding`,
+    `use_remove_padding`); none when it is unset or unreadable."""
+    try:
+        pairs = shlex.split(os.environ.get(OPTIONS_ENV, ""))
+    except ValueError:
+        return []
+    keys = [pair.split("=", 1)[0] for pair in pairs if "=" in pair]
+    return [k for key in keys for k in (key, key.rsplit(".", 1)[-1]) if k]

@@ -26,7 +26,7 @@ from typing import Any
 from ppo_critic.backends.data_parallel import critic as dp
 from ppo_critic.backends.megatron import critic as megatron
 from ppo_critic.config.critic import CriticConfig
-from ppo_critic.config.env import OPTIONS_ENV, with_options
+from ppo_critic.config.env import OPTIONS_ENV, named_in_refusals, with_options
 from ppo_critic.config.verl import LEGACY_WORKER_ERROR, to_mapping
 from ppo_critic.integrations.hooks import after_import, installed_version
 from ppo_critic.models.hf import find_value_head, unwrap
@@ -45,7 +45,8 @@ class DataParallelPPOCritic(dp.DataParallelPPOCritic):
 
     def __init__(self, config: Any, critic_module: Any, critic_optimizer: Any):
         check_value_head_trains(critic_module, config)
-        super().__init__(critic_config(config), critic_module, critic_optimizer)
+        with named_in_refusals():
+            super().__init__(critic_config(config), critic_module, critic_optimizer)
 
 
 def check_value_head_trains(critic_module: Any, config: Any) -> None:
@@ -80,7 +81,8 @@ class MegatronPPOCritic(megatron.MegatronPPOCritic):
     """ppo-critic's megatron critic as verl's megatron `CriticWorker` constructs it (+ `PPO_CRITIC_OPTIONS`)."""
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any):
-        super().__init__(critic_config(config), *args, **kwargs)
+        with named_in_refusals():
+            super().__init__(critic_config(config), *args, **kwargs)
 
 
 # verl module -> (attribute, our class); verl binds the megatron critic by name when megatron_workers loads

@@ -143,11 +143,36 @@ def build_value_model(
 def hf_config_for(model: Any, override_config: Mapping[str, Any] | None = None, trust_remote_code: bool = False):
     """The transformers config `build_value_model` builds `model` from (a config, a dict, or a directory's
     config.json, then `override_config`), without building the model: what a command checks its inputs against."""
-    config = _hf_config(model, trust_remote_code)
-    for key, value in (override_config or {}).items():
-        setattr(config, key, value)
+    with _valid_config(_config_source(model)):
+        config = _hf_config(model, trust_remote_code)
+    with _valid_config("critic.model.override_config"):
+        for key, value in (override_config or {}).items():
+            setattr(config, key, value)
     check_vocab_size(config)
     return config
+
+
+def _config_source(model: Any) -> str:
+    """Where the config of `model` comes from, for an error: a directory's config.json, or the options."""
+    if isinstance(model, str | os.PathLike):
+        return os.path.join(os.fspath(model), "config.json")
+    return "the model config (critic.model.override_config)"
+
+
+@contextlib.contextmanager
+def _valid_config(where: str) -> Iterator[None]:
+    """transformers 5 validates configs through huggingface_hub's strict dataclasses, whose errors are neither
+    ValueError nor one line: as a ValueError naming `where` and the broken rule."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older hub: transformers raises ValueError itself
+        StrictDataclassError = ()
+    try:
+        yield
+    except StrictDataclassError as err:
+        rule = " ".join(str(err.__cause__ or err).split())
+        fix = "give the config.json its weights were saved with" if where.endswith("config.json") else "fix it"
+        raise ValueError(f"{where} is not a valid model config: {rule}; {fix}") from err
 
 
 def check_vocab_size(config: Any) -> None:

@@ -37,12 +37,14 @@ SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 REWARD_FIELDS = ("token_level_rewards", "reward")
 _SIDES = (("prompt_ids", "prompt"), ("response_ids", "response"))  # (token ids, text) of each side
 _VERL_SIDES = ((None, "input"), (None, "output"))  # text only: verl records no token ids
+_VERL_FIELDS = ("input", "output", "score")  # a row of verl's rollout dump
 _PLACEHOLDER = "\x00ppo-critic-message\x00"  # a user message no chat template writes by itself
 _MAX_INT64 = 2**63
 _IDS_EXPECTED = "must be a non-empty list of integer token ids"
 _REWARDS_EXPECTED = "must be a list of finite numbers, one per response token"
 _REWARD_EXPECTED = "must be a finite number"
 _LISTED_ROWS = 10
+FLOAT32_MAX = 3.4028234663852886e38  # rewards and the returns they sum to are float32 tensors
 
 
 class _RowError(ValueError):
@@ -247,19 +249,43 @@ def _parse_row(row: Any, vocab_size: int | None, text: Tokenizer, max_length: in
     if not isinstance(row, dict):
         raise _RowError(f"must be a JSON object with fields prompt_ids, response_ids, ..., got {_kind(row)}")
     verl = _is_verl_dump(row)
+    missing = [field for field in _VERL_FIELDS if verl and field not in row]
+    if missing:
+        raise _RowError(
+            f"field {missing[0]!r} is missing; a row of verl's rollout dump (trainer.rollout_data_dir) has fields "
+            f"{', '.join(_VERL_FIELDS)}"
+        )
     (prompt_ids_field, prompt_field), (response_ids_field, response_field) = _VERL_SIDES if verl else _SIDES
     budget = None if max_length is None else _Budget(max_length, max_length - 1)
     prompt_ids = _side(row, prompt_ids_field, prompt_field, vocab_size, text, budget)
     budget = None if max_length is None else _Budget(max_length, max_length - len(prompt_ids))
     response_ids = _side(row, response_ids_field, response_field, vocab_size, text, budget)
     rewards = _scalar_reward(row, "score", len(response_ids)) if verl else _rewards(row, len(response_ids))
+    _check_float32(rewards, "score" if verl else next(f for f in REWARD_FIELDS if row.get(f) is not None))
     return Rollout(prompt_ids, response_ids, rewards)
 
 
 def _is_verl_dump(row: dict[str, Any]) -> bool:
-    """A row as verl's `trainer.rollout_data_dir` writes it: `input` and `output`, and no field of ours for either."""
+    """A row as verl's `trainer.rollout_data_dir` writes it: `input`, `output` and `score` (one of them is enough to
+    read the row as verl's, so a missing one is named), and no field of ours for either side."""
     ours = [field for side in _SIDES for field in side]
-    return "input" in row and "output" in row and not any(field in row for field in ours)
+    return any(field in row for field in _VERL_FIELDS) and not any(field in row for field in ours)
+
+
+def _check_float32(rewards: list[float], field: str) -> None:
+    """Rewards, and the returns they add up to (at most the sum of their sizes, γ ≤ 1), must fit float32, the dtype
+    the critic computes them in: beyond it they become inf."""
+    largest = max(abs(r) for r in rewards)
+    if largest > FLOAT32_MAX:
+        raise _RowError(
+            f"field {field!r} holds {largest:g}, beyond float32's range (±{FLOAT32_MAX:.2e}) in which the critic "
+            "computes; scale the rewards down"
+        )
+    if math.fsum(abs(r) for r in rewards) > FLOAT32_MAX:
+        raise _RowError(
+            f"field {field!r}: the rewards add up to {math.fsum(abs(r) for r in rewards):g} in size, beyond "
+            f"float32's range (±{FLOAT32_MAX:.2e}), so the returns would be infinite; scale the rewards down"
+        )
 
 
 @dataclass(frozen=True)
