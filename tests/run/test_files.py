@@ -19,10 +19,11 @@ from ppo_critic.run.files import LOCK_FILE, RunDirLock, move_aside, new_director
 
 
 @contextlib.contextmanager
-def tiny_disk(path: Path, size: str = "64k"):
-    """A real file system of `size` bytes at `path` (tmpfs; the tests run as root, as CI does)."""
+def tiny_disk(path: Path, size: str = "64k", inodes: int | None = None):
+    """A real file system of `size` bytes (and `inodes` files) at `path` (tmpfs; the tests run as root, as CI does)."""
     path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    options = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
     try:
         yield path
     finally:
@@ -150,7 +151,7 @@ def test_new_directory_appears_whole_or_not_at_all(tmp_path):
     assert not (tmp_path / "failed").exists() and leftovers(tmp_path) == []
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "mine.txt").write_text("user data")
-    with pytest.raises(OSError, match="Directory not empty"), new_directory(tmp_path / "full") as building:
+    with pytest.raises(OSError, match="appeared while this command ran"), new_directory(tmp_path / "full") as building:
         (building / "config.json").write_text("{}")
     assert (tmp_path / "full" / "mine.txt").read_text() == "user data"
 
@@ -280,3 +281,158 @@ def test_a_directory_with_a_long_name_is_moved_aside_under_a_name_the_file_syste
     aside = move_aside(long)
     assert not long.exists() and (aside / "kept").read_text() == "data"
     assert len(aside.name.encode()) <= 255 and ".old-" in aside.name and aside.name.startswith("x" * 200)
+
+
+# Issue 52 family 4: the edges of the file contract.
+
+LONGEST = {"ascii": "n" * 255, "utf-8": "é" * 127 + "n", "cjk": "値" * 85}  # each 255 bytes: NAME_MAX
+
+
+def names_fit(directory: Path) -> None:
+    """Every name in `directory` (recursively) within NAME_MAX, and no temporary left."""
+    for path in directory.rglob("*"):
+        assert len(os.fsencode(path.name)) <= 255, path.name
+    assert [p for p in directory.rglob(".*")] == []
+
+
+@pytest.mark.parametrize("name", LONGEST.values(), ids=LONGEST.keys())
+def test_a_name_as_long_as_the_file_system_takes_is_written_replaced_built_and_moved_aside(tmp_path, name):
+    """Temporary names borrowed the whole target name (`.<name>.<host>-<pid>-<hex>.tmp`, `.tmp-<name>-...`) and
+    overflowed the 255-byte limit on a name: a legal 255-byte target could not be written (ENAMETOOLONG)."""
+    assert len(name.encode()) == 255
+    assert write_file(tmp_path / name, "first").read_text() == "first"
+    write_with(tmp_path / name, lambda tmp: tmp.write_text("second"), replace=True)
+    write_with(tmp_path / "new" / name, lambda tmp: tmp.write_text("new"), replace=False)
+    assert (tmp_path / name).read_text() == "second" and (tmp_path / "new" / name).read_text() == "new"
+    export = tmp_path / "exports" / name
+    with new_directory(export) as building:
+        (building / "config.json").write_text("1")
+    moved: list[Path] = []
+    with new_directory(export, replace=moved.append) as building:
+        (building / "config.json").write_text("2")
+    (aside,) = moved
+    assert (export / "config.json").read_text() == "2" and (aside / "config.json").read_text() == "1"
+    again = move_aside(export)
+    assert (again / "config.json").read_text() == "2" and not export.exists()
+    names_fit(tmp_path)
+
+
+KILLED = """
+import os, signal, sys
+from pathlib import Path
+from ppo_critic.run.files import new_directory, write_with
+target = Path(sys.argv[1])
+def die(tmp):
+    Path(tmp, "half").write_text("x") if tmp.is_dir() else tmp.write_text("half")
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[2] == "file":
+    write_with(target, die)
+else:
+    with new_directory(target) as tmp:
+        die(tmp)
+"""
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
+@pytest.mark.parametrize("name", [LONGEST["utf-8"], "short"], ids=["longest", "short"])
+def test_what_a_killed_writer_of_a_long_name_left_is_removed_by_the_next_write(tmp_path, kind, name):
+    """Cut to fit, a temporary name still tells the next write of the same target that it is its own to remove."""
+    target = tmp_path / name
+    subprocess.run([sys.executable, "-c", KILLED, str(target), kind], check=False, timeout=60)
+    assert len(leftovers(tmp_path)) == 1
+    if kind == "file":
+        write_file(target, "whole")
+    else:
+        with new_directory(target) as building:
+            (building / "whole").write_text("x")
+    assert leftovers(tmp_path) == []
+
+
+def test_a_library_error_on_a_full_disk_while_building_a_directory_is_no_space_naming_it(tmp_path):
+    """safetensors raises SafetensorError (not an OSError) on a full disk: it escaped `ppo-critic export` as a
+    traceback (exit 1). It is reported as ENOSPC naming the directory, and nothing is left behind."""
+    import torch
+    from safetensors.torch import save_file
+
+    with tiny_disk(tmp_path / "disk") as disk:
+        with pytest.raises(OSError) as info, new_directory(disk / "export") as building:
+            save_file({"w": torch.zeros(100_000)}, str(building / "model.safetensors"))
+        assert info.value.errno == errno.ENOSPC
+        assert str(info.value).startswith(f"[Errno 28] writing {disk / 'export'} failed: ")
+        assert list(disk.iterdir()) == []
+
+
+def test_a_library_error_that_names_an_os_error_is_that_os_error():
+    """A Rust writer's `I/O error: ... (os error N)` is errno N (a user's disk quota: EDQUOT, with space left)."""
+    from ppo_critic.run.files import explained_os_error
+
+    class LibraryError(Exception):
+        pass
+
+    with pytest.raises(OSError) as info, explained_os_error("writing out failed", where="."):
+        raise LibraryError("Error while serializing: I/O error: Disk quota exceeded (os error 122)")
+    assert info.value.errno == errno.EDQUOT and str(info.value) == "[Errno 122] writing out failed: Disk quota exceeded"
+    with pytest.raises(LibraryError), explained_os_error("writing out failed", where="."):
+        raise LibraryError("a bug, with space left")
+
+
+@pytest.mark.parametrize("old", ["directory", "file", "empty", None])
+def test_a_replacing_directory_moves_the_old_one_aside_only_once_the_new_one_is_whole(tmp_path, old):
+    """`export --force` moved OUT aside before writing: a failure then left neither OUT nor an export. The old one
+    now makes way only for a whole new one; a failure before leaves it where it was, and no temporary."""
+    out = tmp_path / "out"
+    if old == "file":
+        out.write_text("user file")
+    elif old is not None:
+        out.mkdir()
+        if old == "directory":
+            (out / "notes.txt").write_text("user data")
+    before = {p.relative_to(tmp_path): p.is_dir() or p.read_text() for p in tmp_path.rglob("*")}
+    moved: list[Path] = []
+    with pytest.raises(RuntimeError), new_directory(out, replace=moved.append) as building:
+        (building / "config.json").write_text("{}")
+        raise RuntimeError("the disk filled")
+    assert {p.relative_to(tmp_path): p.is_dir() or p.read_text() for p in tmp_path.rglob("*")} == before
+    assert moved == []
+    with new_directory(out, replace=moved.append) as building:
+        (building / "config.json").write_text("{}")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    if old in ("directory", "file"):
+        (aside,) = moved
+        assert aside.name.startswith("out.old-") and aside.parent == tmp_path
+        assert (aside / "notes.txt").read_text() == "user data" if old == "directory" else aside.read_text()
+    else:
+        assert moved == []
+    assert leftovers(tmp_path) == []
+
+
+def test_the_old_directory_is_put_back_when_the_new_one_cannot_be_renamed_in(tmp_path, monkeypatch):
+    """The last rename failing (ENOSPC: a directory that needs a new block) puts the old directory back."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("user data")
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if Path(src).name.startswith(".tmp-out-") and Path(dst) == out:
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    moved: list[Path] = []
+    with pytest.raises(OSError) as info, new_directory(out, replace=moved.append) as building:
+        (building / "config.json").write_text("{}")
+    assert info.value.errno == errno.ENOSPC and f"writing {out} failed" in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == ["out"] and (out / "notes.txt").read_text() == "user data"
+    assert moved == []
+
+
+def test_replace_true_deletes_the_old_directory_once_the_new_one_is_in_place(tmp_path):
+    """The trainer's own `hf/`: the previous export goes, but only after the new one is whole and renamed in."""
+    out = tmp_path / "hf"
+    with new_directory(out) as building:
+        (building / "old").write_text("1")
+    with new_directory(out, replace=True) as building:
+        assert (out / "old").is_file()
+        (building / "new").write_text("2")
+    assert os.listdir(tmp_path) == ["hf"] and os.listdir(out) == ["new"]

@@ -2,8 +2,9 @@
 
 A file is produced under a temporary name in its directory, flushed and fsynced, renamed over the target, and the
 directory is fsynced: a crash, a kill or a full disk leaves the old file or the new one, never a torn one, and no
-temporary file behind. A directory (an export) is built the same way and renamed into place. A path that is in the
-way is moved aside, never deleted. `RunDirLock` gives a run directory one writer at a time.
+temporary file behind. A directory (an export) is built the same way and renamed into place; what is at its name
+makes way only then (`replace`), and a failure leaves it as it was. A path that is in the way is moved aside, never
+deleted. `RunDirLock` gives a run directory one writer at a time.
 
 What is written gets the mode a plain `open(path, "w")` / `mkdir` would give: 0666 & ~umask for a new file (a
 replaced file keeps its mode), 0777 & ~umask for a directory — whatever mode a library writer used on the temporary
@@ -12,7 +13,8 @@ as the user's umask says. Temporary names are random, created exclusively (O_EXC
 
 A temporary name carries its writer's host and pid (`.NAME.<host>-<pid>-<hex>.tmp`, `.tmp-NAME-<host>-<pid>-<hex>`),
 so the next write of NAME removes what a killed writer on this host left (`remove_stale`); a live writer's, or
-another host's, is never touched.
+another host's, is never touched. Every name built beside a target (a temporary, `<name>.old-<time>`) borrows only
+as much of NAME as fits the file system's limit on a name (255 bytes), cut at a character: any legal NAME is writable.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ from pathlib import Path
 LOCK_FILE = ".lock"
 _HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:32]  # in temporary names: whose writer left them
 _LOW_SPACE = 1 << 20  # a write that failed with less than this free on its file system failed for lack of space
+NAME_MAX = 255  # bytes in a name, where the file system does not say (pathconf)
+_WRITER_ROOM = len(_HOST) + 24  # "<host>-<pid>-<hex>" in a temporary name: a pid of up to 10 digits, 12 hex digits
+_DIRECTORY = (".tmp-", "-", "")  # a temporary directory's name: `.tmp-<name>-<host>-<pid>-<hex>`
+_FILE = (".", ".", ".tmp")  # a temporary file's: `.<name>.<host>-<pid>-<hex>.tmp`
+_OS_ERROR = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")  # an OSError a library put into its own error's text
 
 
 def write_file(path: str | os.PathLike, data: str | bytes) -> Path:
@@ -51,7 +58,7 @@ def write_with(path: str | os.PathLike, produce: Callable[[Path], object], repla
     parent = path.parent
     with explained_os_error(f"cannot create the directory {parent}"):
         parent.mkdir(parents=True, exist_ok=True)
-    tmp, created_mode = _new_temp_file(parent, path.name)
+    tmp, created_mode = _new_temp_file(path)
     mode = _mode_of_existing_file(path, created_mode)
     try:
         with explained_os_error(f"writing {path} failed", where=parent):
@@ -95,35 +102,95 @@ def _appeared(path: Path) -> FileExistsError:
 
 
 @contextlib.contextmanager
-def new_directory(path: str | os.PathLike) -> Iterator[Path]:
-    """Build a directory under a temporary name next to `path`; when the block succeeds it becomes `path` (which
-    must not exist, or be an empty directory), else it is removed. Yields the temporary directory."""
+def new_directory(path: str | os.PathLike, replace: bool | Callable[[Path], object] = False) -> Iterator[Path]:
+    """Build a directory under a temporary name next to `path` (yielded); when the block succeeds it becomes `path`,
+    else it is removed and `path` is as it was. `path` must not exist or be an empty directory, unless `replace`:
+    then what is there makes way only once the new directory is whole — deleted (`True`: a directory of our own) or
+    moved aside to `<name>.old-<time>` and named to `replace(aside)`, never deleted (a user's, `export --force`)."""
     path = Path(path)
     with explained_os_error(f"cannot create the directory {path.parent}"):
         path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(path.parent, f".tmp-{path.name}-", "")
-    tmp = path.parent / f".tmp-{path.name}-{_writer()}-{secrets.token_hex(4)}"
+    remove_stale(path, _DIRECTORY)
+    tmp = _temporary(path, _DIRECTORY)
     try:
-        with explained_os_error(f"writing {path} failed", where=path.parent):
+        with explained_os_error(f"writing {path} failed", where=path.parent), _named_as(tmp, path):
             tmp.mkdir()  # exclusive: fails if the name exists
-            dir_mode = stat.S_IMODE(tmp.stat().st_mode)  # 0777 & ~umask (or the parent's default ACL)
             yield tmp
-            for child in tmp.rglob("*"):  # what open()/mkdir() would have given, whatever the writer used
-                info = child.lstat()
-                if stat.S_ISDIR(info.st_mode):
-                    _set_mode(child, dir_mode)
-                elif stat.S_ISREG(info.st_mode):
-                    executable = info.st_mode & stat.S_IXUSR
-                    _set_mode(child, dir_mode if executable else dir_mode & 0o666)
-                    _fsync_file(child)
-            _set_mode(tmp, dir_mode)
-            fsync_dir(tmp)
-            if path.is_dir() and not any(path.iterdir()):
-                path.rmdir()  # an empty directory holds nothing to lose
-            os.rename(tmp, path)
-            fsync_dir(path.parent)
+            _settle(tmp)
+            _swap_in(tmp, path, replace)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _settle(tmp: Path) -> None:
+    """Give everything in the finished directory what open()/mkdir() would have (whatever mode the writer used),
+    and make it durable."""
+    dir_mode = stat.S_IMODE(tmp.stat().st_mode)  # 0777 & ~umask (or the parent's default ACL)
+    for child in tmp.rglob("*"):
+        info = child.lstat()
+        if stat.S_ISDIR(info.st_mode):
+            _set_mode(child, dir_mode)
+        elif stat.S_ISREG(info.st_mode):
+            _set_mode(child, dir_mode if info.st_mode & stat.S_IXUSR else dir_mode & 0o666)
+            _fsync_file(child)
+    fsync_dir(tmp)
+
+
+def _swap_in(tmp: Path, path: Path, replace: bool | Callable[[Path], object]) -> None:
+    """Rename the whole directory `tmp` to `path`, what is there first made way for (`new_directory`); if the rename
+    fails, that is put back. Ctrl-C and SIGTERM wait for the swap: never neither at `path`."""
+    with interrupts_deferred():
+        old = _make_way(path, replace)
+        try:
+            os.rename(tmp, path)  # replaces an empty directory; fails on anything else
+        except BaseException as err:
+            if old is not None:
+                os.rename(old, path)
+            if _taken(err, path):
+                raise _appeared(path) from err  # made while this one was written (else refused before)
+            raise
+        fsync_dir(path.parent)
+        if old is not None and callable(replace):
+            replace(old)
+    if old is not None and replace is True:
+        _remove(old)
+
+
+def _make_way(path: Path, replace: bool | Callable[[Path], object]) -> Path | None:
+    """Rename what is at `path` out of the way, where `replace` allows and it is not an empty directory (that is
+    replaced by the rename): to a temporary name for `True` (deleted next; a crash leaves it to `remove_stale`),
+    else aside. Returns its new name."""
+    if not replace or not os.path.lexists(path) or _empty_directory(path):
+        return None
+    if replace is not True:
+        return move_aside(path)
+    doomed = _temporary(path, _DIRECTORY)
+    os.rename(path, doomed)
+    return doomed
+
+
+def _taken(err: BaseException, path: Path) -> bool:
+    """Whether renaming a directory to `path` failed because something is there: a non-empty directory, a file."""
+    if not isinstance(err, OSError):
+        return False
+    return err.errno in (errno.ENOTEMPTY, errno.EEXIST) or (err.errno == errno.ENOTDIR and not path.is_symlink())
+
+
+def _empty_directory(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+
+
+@contextlib.contextmanager
+def _named_as(tmp: Path, path: Path) -> Iterator[None]:
+    """An error about a file in the temporary directory names it as it was to be named (`tmp/x` as `path/x`): the
+    user knows `path`; `tmp` is gone by the time they read it."""
+    try:
+        yield
+    except OSError as err:
+        name = os.fspath(err.filename) if isinstance(err.filename, (str, os.PathLike)) else None
+        if name is not None and (name == str(tmp) or name.startswith(f"{tmp}/")):
+            err.filename = str(path) + name[len(str(tmp)) :]
         raise
 
 
@@ -152,25 +219,55 @@ def interrupts_deferred() -> Iterator[None]:
         signal.raise_signal(pending[0])
 
 
-def move_aside(path: str | os.PathLike) -> Path:
-    """Rename `path` to a free sibling `<name>.old-<time>` (nothing is deleted); returns the new name."""
+def move_aside(path: str | os.PathLike, label: str = "old") -> Path:
+    """Rename `path` to a free sibling `<name>.<label>-<time>` (nothing is deleted); returns the new name."""
     path = Path(path)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = path.with_name(_sibling_name(path, f".old-{stamp}"))
-    while target.exists():
-        target = path.with_name(_sibling_name(path, f".old-{stamp}-{secrets.token_hex(2)}"))
+    target = path.with_name(_sibling_name(path, f".{label}-{stamp}"))
+    while os.path.lexists(target):
+        target = path.with_name(_sibling_name(path, f".{label}-{stamp}-{secrets.token_hex(2)}"))
     with explained_os_error(f"cannot move {path} aside"):
         os.rename(path, target)
         fsync_dir(path.parent)
     return target
 
 
-def _sibling_name(path: Path, suffix: str, limit: int = 255) -> str:
-    """`<name><suffix>`, the name cut short where the whole would pass the file system's limit on a name (255 bytes
-    on most): a run directory with a long name can still be moved aside."""
-    room = limit - len(suffix.encode())
-    name = path.name.encode()[:room].decode(errors="ignore")
-    return f"{name}{suffix}"
+def _sibling_name(path: Path, suffix: str) -> str:
+    """`<name><suffix>`, the name cut short where the whole would pass the file system's limit on a name: a
+    directory with a long name can still be moved aside."""
+    return _cut(path.name, _name_max(path.parent) - len(suffix.encode())) + suffix
+
+
+def _temporary(path: Path, form: tuple[str, str, str]) -> Path:
+    """A fresh random temporary name of `path` in `form` (`_FILE`, `_DIRECTORY`), beside it."""
+    return path.parent / f"{_temp_stem(path, form)}{_writer()}-{secrets.token_hex(6)}{form[2]}"
+
+
+def _temp_stem(path: Path, form: tuple[str, str, str]) -> str:
+    """`<lead><name><sep>` of the temporaries `<stem><host>-<pid>-<hex><tail>` of `path`, the name cut so that they
+    fit beside any legal name: the same stem for every writer of `path` (`remove_stale` matches it)."""
+    lead, sep, tail = form
+    room = _name_max(path.parent) - len(f"{lead}{sep}{tail}".encode()) - _WRITER_ROOM
+    return f"{lead}{_cut(path.name, room)}{sep}"
+
+
+def _cut(name: str, room: int) -> str:
+    """`name` cut to at most `room` bytes as the file system stores it, never inside a UTF-8 character."""
+    raw = os.fsencode(name)
+    if len(raw) <= room:
+        return name
+    end = max(room, 0)
+    while end > 0 and raw[end] & 0xC0 == 0x80:  # a continuation byte: the character began before the cut
+        end -= 1
+    return os.fsdecode(raw[:end])
+
+
+def _name_max(directory: Path) -> int:
+    """The longest name, in bytes, the file system of `directory` takes (255 where it cannot say)."""
+    try:
+        return os.pathconf(directory, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return NAME_MAX
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -185,7 +282,8 @@ def fsync_dir(path: str | os.PathLike) -> None:
 @contextlib.contextmanager
 def explained_os_error(what: str, keeps: str = "", where: str | os.PathLike | None = None) -> Iterator[None]:
     """Re-raise a failed write as an OSError that says what was being written and what is intact (`keeps`). A
-    library error (not an OSError) on a file system with almost no space left is reported as ENOSPC."""
+    library's own error (not an OSError: safetensors' SafetensorError, torch's RuntimeError) is the OSError its text
+    names (`(os error 28)`), else, on a file system with almost no space left (`where`), ENOSPC."""
     try:
         yield
     except OSError as err:
@@ -193,10 +291,19 @@ def explained_os_error(what: str, keeps: str = "", where: str | os.PathLike | No
             raise
         place = f" ({err.filename})" if err.filename else ""
         raise OSError(err.errno, f"{what}: {err.strerror}{place}{keeps}") from err
-    except (RuntimeError, ValueError) as err:  # e.g. torch.save's "unexpected pos" when the disk fills
+    except Exception as err:  # e.g. torch.save's "unexpected pos" when the disk fills
+        named = _errno_named(err)
+        if named is not None:
+            raise OSError(named, f"{what}: {os.strerror(named)}{keeps}") from err
         if where is None or not _almost_full(where):
             raise
         raise OSError(errno.ENOSPC, f"{what}: no space left on the file system of {where}{keeps}") from err
+
+
+def _errno_named(err: Exception) -> int | None:
+    """The errno a library's error quotes from the OSError beneath it (Rust's `(os error N)`, Python's `[Errno N]`)."""
+    found = _OS_ERROR.search(str(err))
+    return int(found.group(1) or found.group(2)) if found else None
 
 
 class RunDirLock:
@@ -255,12 +362,13 @@ def _writer() -> str:
     return f"{_HOST}-{os.getpid()}"
 
 
-def remove_stale(directory: Path, prefix: str, suffix: str) -> None:
-    """Remove the temporaries `prefix<host>-<pid>-<hex>suffix` in `directory` that a writer on this host left when it
-    died (its pid runs no process): files and directories alike. Others' are kept, and so is anything unreadable."""
-    pattern = re.compile(re.escape(prefix + _HOST) + r"-(\d+)-[0-9a-f]+" + re.escape(suffix))
+def remove_stale(path: Path, form: tuple[str, str, str]) -> None:
+    """Remove the temporaries of `path` in `form` that a writer on this host left when it died (its pid runs no
+    process): files and directories alike. Others' are kept, and so is anything unreadable."""
+    stem, tail = _temp_stem(path, form), form[2]
+    pattern = re.compile(re.escape(stem + _HOST) + r"-(\d+)-[0-9a-f]+" + re.escape(tail))
     with contextlib.suppress(OSError):
-        for entry in directory.iterdir():
+        for entry in path.parent.iterdir():
             found = pattern.fullmatch(entry.name)
             if found and not _running(int(found.group(1))):
                 _remove(entry)
@@ -286,18 +394,18 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def _new_temp_file(directory: Path, base: str) -> tuple[Path, int]:
-    """A new empty file next to the target under a random name (created exclusively: never someone else's file or
+def _new_temp_file(path: Path) -> tuple[Path, int]:
+    """A new empty file next to `path` under a random name (created exclusively: never someone else's file or
     link), and the mode `open(..., "w")` gives a new file there: 0666 & ~umask (mkstemp's 0600 would stick)."""
-    remove_stale(directory, f".{base}.", ".tmp")
+    remove_stale(path, _FILE)
     while True:
-        tmp = directory / f".{base}.{_writer()}-{secrets.token_hex(6)}.tmp"
+        tmp = _temporary(path, _FILE)
         try:
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
         except FileExistsError:
             continue
         except OSError as err:
-            raise OSError(err.errno, f"cannot write in {directory}: {err.strerror}") from err
+            raise OSError(err.errno, f"cannot write in {path.parent}: {err.strerror}") from err
         try:
             mode = stat.S_IMODE(os.fstat(fd).st_mode)
         finally:
