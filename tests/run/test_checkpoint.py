@@ -5,8 +5,11 @@ loud, and never deleted."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -246,3 +249,53 @@ def test_what_holds_no_checkpoint_is_not_one(tmp_path):
     for path in (tmp_path / "step_00000002", tmp_path / "elsewhere", tmp_path / "step_00000009"):
         with pytest.raises(FileNotFoundError, match=r"is not a complete checkpoint \(missing \.metadata or trainer"):
             load_state_dicts(path, {"w": torch.zeros(4)})
+
+
+EXPORT_KILLED = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[2])
+import transformers.modeling_utils
+from conftest import tiny_config
+from ppo_critic import build_value_model
+from ppo_critic.run.checkpoint import export_hf
+def killed(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+transformers.modeling_utils.safe_save_file = killed
+export_hf(build_value_model(tiny_config("qwen2")), sys.argv[1], replace=True)
+"""
+
+
+def test_the_trainers_export_keeps_its_previous_one_until_the_new_one_is_whole(tmp_path):
+    """`export_hf(replace=True)` (the trainer's `hf/`) renamed the previous export away before writing: killed while
+    writing the weights, the run had no `hf/` (and a `.old-hf-*` left). Now `hf/` stays until the new one is in."""
+    from conftest import tiny_config
+    from ppo_critic import build_value_model
+    from ppo_critic.run.checkpoint import export_hf
+
+    model, hf = build_value_model(tiny_config("qwen2")), tmp_path / "hf"
+    export_hf(model, hf)
+    before = contents(hf)
+    tests = Path(__file__).resolve().parents[1]
+    killed = subprocess.run([sys.executable, "-c", EXPORT_KILLED, str(hf), str(tests)], check=False, timeout=120)
+    assert killed.returncode == -9 and contents(hf) == before
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    export_hf(model, hf, replace=True)  # removes what the killed export left, and its own previous export
+    assert contents(hf) != before and sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_a_full_disk_during_the_trainers_export_keeps_the_previous_one(tmp_path):
+    """safetensors' error on a full disk escaped as SafetensorError; it is ENOSPC naming `hf`, the old one whole."""
+    from conftest import tiny_config
+    from ppo_critic import build_value_model
+    from ppo_critic.run.checkpoint import export_hf
+    from test_files import tiny_disk
+
+    model = build_value_model(tiny_config("qwen2"))
+    with tiny_disk(tmp_path / "disk", size="600k") as disk:  # one export (340k) fits, two do not
+        export_hf(model, disk / "hf")
+        before = contents(disk)
+        with pytest.raises(OSError) as info:
+            export_hf(model, disk / "hf", replace=True)
+        assert info.value.errno == errno.ENOSPC and str(info.value).startswith(f"[Errno 28] writing {disk / 'hf'}")
+        assert contents(disk) == before

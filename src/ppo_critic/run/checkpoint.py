@@ -24,7 +24,6 @@ import os
 import pickle
 import re
 import shutil
-import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -38,7 +37,14 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ppo_critic.run.files import explained_os_error, fsync_dir, interrupts_deferred, new_directory, write_file
+from ppo_critic.run.files import (
+    explained_os_error,
+    fsync_dir,
+    interrupts_deferred,
+    move_aside,
+    new_directory,
+    write_file,
+)
 
 STEP_DIR = re.compile(r"^step_(\d{8,})$")  # zero-padded to 8 digits, longer past 10**8
 STATE_FILE = "trainer_state.json"
@@ -145,22 +151,12 @@ def _make_way(final: Path) -> None:
     if problem is None:
         delete_checkpoint(final)
         return
-    aside = _aside_name(final)
-    os.rename(final, aside)
+    aside = move_aside(final, "damaged")
     warnings.warn(
         f"checkpoint {final} is damaged ({problem}): moved aside to {aside} before saving its step again",
         CheckpointMovedAside,
         stacklevel=3,
     )
-
-
-def _aside_name(path: Path) -> Path:
-    """A free sibling `<name>.damaged-<time>` (outside the `step_*` namespace, so never resumed from nor deleted)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = path.with_name(f"{path.name}.damaged-{stamp}")
-    while os.path.lexists(target):
-        target = path.with_name(f"{path.name}.damaged-{stamp}-{uuid.uuid4().hex[:4]}")
-    return target
 
 
 def _whole(path: Path) -> bool:
@@ -439,23 +435,26 @@ def _raise_interrupt(err: CheckpointException) -> None:
 
 
 def export_hf(
-    model: nn.Module, out_dir: str | os.PathLike, state_dict: dict[str, Tensor] | None = None, replace: bool = False
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    state_dict: dict[str, Tensor] | None = None,
+    replace: bool | Callable[[Path], object] = False,
 ) -> Path:
     """Write safetensors + config loadable by transformers, atomically (a temp dir renamed into place).
 
-    `out_dir` must not exist or be empty — unless `replace`, which the trainer uses for the `hf/` export it wrote
-    itself: the old export is swapped out, and deleted only once the new one is in place. `state_dict` (full, HF
-    names) replaces the model's own weights, e.g. gathered from megatron shards; `model` then only provides the
-    architecture and may live on the meta device.
+    `out_dir` must not exist or be empty — unless `replace` (`run.files.new_directory`): what is there makes way
+    only once the new export is whole, deleted (`True`: the trainer's own `hf/`) or moved aside and named to
+    `replace(aside)` (`export --force`: a user's directory, never deleted); a failure leaves it as it was.
+    `state_dict` (full, HF names) replaces the model's own weights, e.g. gathered from megatron shards; `model` then
+    only provides the architecture and may live on the meta device.
 
     Token-classification critics load with `AutoModelForTokenClassification.from_pretrained(out_dir)`. A generic
     critic (backbone + head) is saved as the backbone plus `value_head.safetensors`; load it with
     `ppo_critic.build_value_model(out_dir)`.
     """
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from ppo_critic.models.hf import VALUE_HEAD_FILE, ValueModel
+    from ppo_critic.models.hf import ValueModel
 
     out = Path(out_dir)
     full = state_dict
@@ -467,27 +466,26 @@ def export_hf(
     model = getattr(model, "module", model)  # DDP / FSDP1
     if not isinstance(model, ValueModel) and not hasattr(model, "save_pretrained"):
         raise TypeError(f"{type(model).__name__} is not a transformers model; HF export needs save_pretrained")
-    old = None
-    if replace and out.exists():
-        old = out.parent / f".old-{out.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(out, old)
-    try:
-        with new_directory(out) as tmp, _no_progress_bar():
-            if isinstance(model, ValueModel):
-                backbone = {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
-                model.model.save_pretrained(tmp, state_dict=backbone, safe_serialization=True)
-                head = {k: v.detach().contiguous().cpu() for k, v in full.items() if k.startswith("score.")}
-                save_file(head, str(tmp / VALUE_HEAD_FILE))
-            else:
-                model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
-    except BaseException:
-        if old is not None:
-            os.rename(old, out)  # the previous export is back in place
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    with new_directory(out, replace) as tmp, _no_progress_bar():
+        _save_hf(model, full, tmp)
     _barrier()
     return out
+
+
+def _save_hf(model: nn.Module, full: dict[str, Tensor], directory: Path) -> None:
+    """Write `model` with the weights `full` into `directory` as transformers saves it (a generic critic: its
+    backbone, and the head as `value_head.safetensors`)."""
+    from safetensors.torch import save_file
+
+    from ppo_critic.models.hf import VALUE_HEAD_FILE, ValueModel
+
+    if not isinstance(model, ValueModel):
+        model.save_pretrained(directory, state_dict=full, safe_serialization=True)
+        return
+    backbone = {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
+    model.model.save_pretrained(directory, state_dict=backbone, safe_serialization=True)
+    head = {k: v.detach().contiguous().cpu() for k, v in full.items() if k.startswith("score.")}
+    save_file(head, str(directory / VALUE_HEAD_FILE))
 
 
 def _rank() -> int:
