@@ -10,7 +10,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 VF_LOSS_TYPES = {
     "mse": "verl's clipped squared error",
     "huber": "quadratic within huber_delta of the return, linear beyond",
-    "bce": "0/1 rewards: value sigmoid(logit), loss the cross entropy against the return clipped to [0, 1]",
+    "bce": "0/1 rewards: value sigmoid(logit), loss the cross entropy against the return (which must lie in [0, 1])",
 }
 BUILT_IN_VF_LOSS_TYPES = tuple(VF_LOSS_TYPES)  # the names `register` may not take over
 # the HF config key under which every export names its objective, which says how its outputs become values (bce:
