@@ -279,11 +279,13 @@ def _export(args: argparse.Namespace) -> int:
     if not is_run_dir(args.run_dir):
         raise FileNotFoundError(f"{args.run_dir} is not a run directory (no config.yaml)")
     check_output(args.out_dir, "directory", inputs=[], force=args.force, move=False)
-    worker = _worker_of(args.run_dir, _config_for(args.run_dir, []))  # verified and loaded before anything moves
-    aside = check_output(args.out_dir, "directory", inputs=[], force=args.force, move=worker.rank == 0)
-    if aside is not None and worker.rank == 0:
+    worker = _worker_of(args.run_dir, _config_for(args.run_dir, []))  # verified and loaded before anything is written
+
+    def moved(aside: Path) -> None:
         print(f"moved the previous {args.out_dir} aside to {aside}")
-    out = worker.export_hf(args.out_dir)
+
+    # with --force, OUT is moved aside only once the new export is whole (a failure leaves it where it was)
+    out = worker.export_hf(args.out_dir, replace=moved if args.force else False)
     if worker.rank == 0:
         print(f"exported step {worker.step} of {args.run_dir} to {out}")
     return 0
@@ -330,9 +332,9 @@ def _kept_meaning(overrides: list[str], fixed: list[str], base: dict | None, whe
     if differ:
         listed = "; ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in differ)
         raise ValueError(
-            f"values reads these options from {where}, not from the command line ({listed}): they decide what the "
-            "model's outputs mean; drop them (values takes data=, out= and how the forward runs: ppo-critic values "
-            "--help)"
+            f"values reads these options from {where}, not from the command line ({listed}): they are the "
+            "model's, what its outputs mean among them; drop them (values takes data=, out= and how the forward "
+            "runs: ppo-critic values --help)"
         )
     return cfg
 
