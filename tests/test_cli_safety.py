@@ -5,6 +5,7 @@ real full disk end cleanly, and a run directory's saved config runs no code."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -14,6 +15,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -550,3 +552,159 @@ def test_a_refused_resume_into_a_new_directory_leaves_nothing_behind(run, tmp_pa
         code, text = cli(["train", *RUN_ARGS, f"trainer.run_dir={target}", resume, *other_model], capsys)
         assert code == 2 and "cannot load checkpoint" in text, text
     assert not (tmp_path / "new").exists() and list(empty.iterdir()) == []
+
+
+# Issue 52 family 4: `export` at the edges of the file contract.
+
+
+def listing(path: Path) -> dict[str, str | None]:
+    """Every entry under `path`, hidden ones too: a file's bytes' sha256, None for a directory."""
+    return {
+        p.relative_to(path).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+        for p in sorted(path.rglob("*"))
+    }
+
+
+def make_out(out: Path, kind: str) -> list[str]:
+    """OUT as the case has it: absent ("new"), a directory of the user's or a file of the user's; the flags."""
+    if kind == "directory":
+        out.mkdir()
+        (out / "notes.txt").write_text("user data")
+    elif kind == "file":
+        out.write_text("a file of the user's")
+    return ["--force"] if kind != "new" else []
+
+
+def one_line_naming(text: str, out: Path, errno_: int) -> None:
+    (line,) = text.strip().splitlines()
+    assert line.startswith(f"ppo-critic export: error: [Errno {errno_}] writing {out} failed"), line
+    assert ".tmp-" not in line, line  # the temporary directory is gone: the user is told the name they gave
+
+
+@pytest.mark.parametrize("kind", ["new", "directory"])
+def test_a_real_full_disk_during_export_is_one_line_naming_the_output_and_changes_nothing(run, tmp_path, kind):
+    """Was: safetensors' SafetensorError escaped as a traceback (exit 1), and with --force OUT had been moved aside
+    before the export was written (OUT gone). Now: exit 2, one line naming OUT, the disk as it was."""
+    with tiny_disk(tmp_path / "disk", size="40k") as disk:  # the export takes 90k
+        out = disk / "export"
+        flags = make_out(out, kind)
+        before = listing(disk)
+        argv = [sys.executable, "-m", "ppo_critic", "export", str(run), str(out), *flags]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr
+        one_line_naming(done.stderr, out, 28)
+        assert done.stdout == "" and listing(disk) == before
+
+
+def fail_rename(monkeypatch, failing: Callable[[Path, Path], bool]) -> None:
+    """os.rename raises ENOSPC (a directory that needs a new block on a full disk) where `failing(src, dst)`."""
+    real = os.rename
+
+    def rename(src, dst):
+        if failing(Path(src), Path(dst)):
+            raise OSError(28, "No space left on device", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+
+
+def interrupt_the_weights(monkeypatch) -> None:
+    """Ctrl-C while transformers writes the weights (after config.json)."""
+    import transformers.modeling_utils
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", interrupted)
+
+
+def no_inode_left(disk: Path) -> None:
+    with contextlib.suppress(OSError):
+        for i in range(1000):
+            (disk / f"f{i}").touch()
+
+
+def fill(disk: Path, leave: int) -> None:
+    """Leave `leave` bytes free on `disk`: a filler takes the rest."""
+    (disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(disk).free - leave))
+
+
+FAILURES = {  # where the export fails: (errno, what the disk or the process does)
+    "no inode for the directory": (28, lambda disk, mp: no_inode_left(disk)),
+    "no space for config.json": (28, lambda disk, mp: fill(disk, 0)),
+    "no space for the weights": (28, lambda disk, mp: fill(disk, 8192)),
+    "ENOSPC moving OUT aside": (28, lambda disk, mp: fail_rename(mp, lambda s, d: ".old-" in d.name)),
+    "ENOSPC renaming the export in": (28, lambda disk, mp: fail_rename(mp, lambda s, d: s.name.startswith(".tmp-"))),
+    "Ctrl-C during the weights": (None, lambda disk, mp: interrupt_the_weights(mp)),
+}
+
+
+@pytest.mark.parametrize(
+    ("failure", "kind"),
+    [(f, k) for f in FAILURES for k in ("new", "directory", "file") if (f, k) != ("ENOSPC moving OUT aside", "new")],
+)
+def test_an_export_failing_at_any_point_leaves_out_as_it_was_and_nothing_partial(
+    run, tmp_path, capsys, monkeypatch, failure, kind
+):
+    """A full disk (or Ctrl-C) before, during config.json, during the weights, moving OUT aside or renaming the export
+    in, with or without --force, OUT a directory or a file: exit 2, one line naming OUT, the disk as it was."""
+    code, setup = FAILURES[failure]
+    with tiny_disk(tmp_path / "disk", size="400k", inodes=64) as disk:
+        out = disk / "export"
+        flags = make_out(out, kind)
+        setup(disk, monkeypatch)
+        before = listing(disk)
+        status, text = cli(["export", run, out, *flags], capsys)
+        assert status == 2, text
+        if code is None:
+            assert text.strip() == "ppo-critic export: error: interrupted; nothing partial was written", text
+        else:
+            one_line_naming(text, out, code)
+        assert listing(disk) == before
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_a_signal_while_the_export_is_swapped_in_waits_for_the_swap(run, tmp_path, capsys, monkeypatch, kind):
+    """SIGTERM between moving OUT aside and renaming the export in would leave neither at OUT: it waits."""
+    from ppo_critic.run import files
+
+    out = tmp_path / "export"
+    flags = make_out(out, kind)
+    real_move_aside = files.move_aside
+
+    def signalled(path):
+        signal.raise_signal(signal.SIGTERM)
+        return real_move_aside(path)
+
+    monkeypatch.setattr(files, "move_aside", signalled)
+    code, text = cli(["export", run, out, *flags], capsys)
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("export.old-")]
+    assert code == 2 and f"moved the previous {out} aside to {aside}" in text and "interrupted" in text, text
+    assert (out / "model.safetensors").is_file() and (aside / "notes.txt" if kind == "directory" else aside).is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+LONG = {"245": "o" * 245, "255": "o" * 255, "255 utf-8": "é" * 127 + "o"}
+
+
+@pytest.mark.parametrize("name", LONG.values(), ids=LONG.keys())
+def test_export_force_onto_a_long_named_directory_replaces_it_and_keeps_it(run, tmp_path, capsys, name):
+    """A 245-byte OUT (legal: NAME_MAX is 255) was moved aside, then its temporary name overflowed: exit 2, OUT gone."""
+    out = tmp_path / name
+    flags = make_out(out, "directory")
+    code, text = cli(["export", run, out, *flags], capsys)
+    (aside,) = [p for p in tmp_path.iterdir() if ".old-" in p.name]
+    assert code == 0 and f"moved the previous {out} aside to {aside}" in text, text
+    assert (aside / "notes.txt").read_text() == "user data" and (out / "model.safetensors").is_file()
+    assert all(len(os.fsencode(p.name)) <= 255 for p in tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("name", ["v" * 244 + ".jsonl", "é" * 124 + "v.jsonl"])
+def test_values_into_a_file_with_a_long_name(run, rollouts, tmp_path, capsys, name):
+    """`values out=<a 250-byte name>` said the directory could not be written: its temporary name overflowed."""
+    out = tmp_path / name
+    code, text = cli(["values", run, f"data={rollouts}", f"out={out}"], capsys)
+    assert code == 0 and json.loads(out.read_text())["row"] == 0, text
+    code, text = cli(["values", run, f"data={rollouts}", f"out={out}", "--force"], capsys)
+    assert code == 0 and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
