@@ -3,6 +3,7 @@ model, and what `use_remove_padding=auto` checks (`packed_blocker`)."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 
@@ -189,7 +190,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
         (lambda: nn.Linear(2, 1), None, CPU, torch.float32, "no transformers model inside"),
         (NoKwargsWrapper, None, CPU, torch.float32, "takes no **kwargs"),
         (lambda: tiny("mistral"), None, CPU, torch.float32, "sliding-window"),
-        (tiny, None, CUDA, torch.float32, "float16 / bfloat16"),
+        (tiny, None, CUDA, torch.float32, None),  # the kernels take half dtypes, bucketed sdpa the others
     ],
 )
 def test_packed_blocker_names_what_stops_packing(build, name, device, dtype, reason):
@@ -201,6 +202,7 @@ def test_packed_blocker_on_cuda_needs_a_varlen_kernel(monkeypatch):
     attention.register()
     monkeypatch.setitem(attention.KERNELS, "cuda", object())
     assert packed_blocker(tiny(), None, CUDA, torch.bfloat16) is None
+    assert packed_blocker(tiny(), None, CUDA, torch.float32) is None
     monkeypatch.delitem(attention.KERNELS, "cuda")
     assert "neither flash-attn nor" in packed_blocker(tiny(), None, CUDA, torch.bfloat16)
 
@@ -269,20 +271,36 @@ def test_the_kernel_branch_casts_mixed_autocast_inputs_to_one_half_dtype(cpu_ker
     torch.testing.assert_close(out.float(), reference, rtol=2**-8, atol=1e-2)
 
 
-def test_the_kernel_branch_refuses_float32_without_autocast_with_the_fix(cpu_kernel):
-    q = torch.randn(1, 4, 6, 16)
-    with pytest.raises(ValueError, match=r"take float16 / bfloat16, got torch.float32; set critic.dtype=bfloat16"):
-        varlen_attention(nn.Module(), q, q, q, None, cu_seq_lens_q=cu_seqlens([6]))
-    assert not cpu_kernel.dtypes
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_float32_on_a_kernel_device_runs_bucketed_sdpa_and_half_dtypes_the_kernel(cpu_kernel, causal):
+    """The kernels take float16 / bfloat16 only: float32 packed attention goes to the bucketed sdpa on the kernel's
+    device and equals per-sequence attention; under bf16 autocast the same inputs go to the kernel."""
+    lengths = [5, 1, 0, 12, 3]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, sum(lengths), 16, generator=g) for h in (4, 2, 2))
+    module = nn.Module()
+    module.is_causal = causal
+    cu = cu_seqlens(lengths)
+    out, _ = varlen_attention(module, q, k, v, None, cu_seq_lens_q=cu, max_length_q=12)
+    assert not cpu_kernel.dtypes and out.dtype == torch.float32
+    # sdpa per bucket against sdpa per sequence: float32 sums of <= 16 terms in another order (FP32_REORDERED)
+    reference = per_sequence_reference(q, k, v, lengths, causal)
+    torch.testing.assert_close(out, reference, **FP32_REORDERED)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        varlen_attention(module, q, k, v, None, cu_seq_lens_q=cu, max_length_q=12)
+    assert cpu_kernel.dtypes == [torch.bfloat16]
 
 
-def test_explicit_packing_with_float32_on_a_kernel_device_is_refused_up_front(cpu_kernel):
+def test_float32_packing_on_a_kernel_device_equals_the_padded_model(cpu_kernel):
+    """float32 compute where a kernel is registered (float32 on CUDA): `true` packs and `auto` too, through the
+    bucketed sdpa, with the padded critic's values and update (FP32_REORDERED); the kernel is never called."""
+    padded, packed = critic_pair("qwen2", dtype="float32")  # GQA: 4 query heads, 2 key/value
+    assert packed.use_remove_padding and packed.compute_dtype == torch.float32
+    assert_same_values_and_update(padded, packed, make_batch(8, 7, 6, seed=9))
     model = tiny()
-    config = {"ppo_mini_batch_size": 8, "model": {"use_remove_padding": True}}
-    with pytest.raises(ValueError, match=r"use_remove_padding: cannot run packed rows .*float16 / bfloat16"):
-        DataParallelPPOCritic(config, model, torch.optim.SGD(model.parameters(), lr=0.1))
-    auto = DataParallelPPOCritic({**config, "model": {}}, model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert not auto.use_remove_padding  # auto: padded, since float32 cannot run packed there
+    auto = DataParallelPPOCritic({"ppo_mini_batch_size": 8}, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert auto.use_remove_padding
+    assert not cpu_kernel.dtypes
 
 
 def test_the_contract_stand_ins_refuse_what_the_kernels_refuse():
@@ -356,8 +374,22 @@ def test_the_cuda_kernel_traces_into_one_graph():
 
 
 @pytest.mark.cuda
-def test_explicit_packing_in_float32_on_cuda_is_refused_up_front():
-    model = tiny().cuda()
-    config = {"ppo_mini_batch_size": 8, "dtype": "float32", "model": {"use_remove_padding": True}}
-    with pytest.raises(ValueError, match=r"cannot run packed rows .*take float16 / bfloat16, not torch.float32"):
-        DataParallelPPOCritic(config, model, torch.optim.SGD(model.parameters(), lr=0.1))
+def test_float32_packing_on_cuda_equals_the_padded_model(monkeypatch):
+    """float32 on CUDA, which the varlen kernels do not take, packs through the bucketed sdpa: the padded critic's
+    values and update within FP32_REORDERED (float32 matmuls stay full float32: torch's default precision)."""
+    assert torch.get_float32_matmul_precision() == "highest"
+    attention.register()
+    kernel, called = attention.KERNELS["cuda"], []
+    monkeypatch.setitem(attention.KERNELS, "cuda", lambda *args: called.append(args[0].dtype) or kernel(*args))
+    torch.manual_seed(0)
+    base = tiny().cuda()
+    critics = []
+    for packed in (False, True):
+        model = copy.deepcopy(base)
+        config = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4, "grad_clip": None, "dtype": "float32"}
+        config["model"] = {"use_remove_padding": packed}
+        critics.append(DataParallelPPOCritic(config, model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    padded, packed = critics
+    assert packed.use_remove_padding and packed.compute_dtype == torch.float32
+    assert_same_values_and_update(padded, packed, make_batch(8, 7, 6, seed=9))
+    assert not called

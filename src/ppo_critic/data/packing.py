@@ -8,12 +8,14 @@ batches (megatron's local layers): each row's valid tokens move to its start, so
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ppo_critic.data.batch import attended
 
@@ -27,6 +29,7 @@ class PackedBatch:
     indices: Tensor  # [nnz]: where each packed token sits in the flattened [B * T] batch
     batch_size: int
     seq_len: int
+    bounds: tuple[int, ...]  # `cu_seqlens` on the host: 0, then where each sequence ends
 
     def model_kwargs(self, sp: int = 1, rank: int = 0) -> dict:
         """Keyword arguments for a transformers model call on the packed row: the varlen attention reads
@@ -40,6 +43,7 @@ class PackedBatch:
         pad_pos = torch.arange(pad, device=self.position_ids.device).expand(*self.position_ids.shape[:-1], pad)
         pos = torch.cat([self.position_ids, pad_pos], dim=-1)
         cu = F.pad(self.cu_seqlens, (0, 1), value=nnz + pad) if pad else self.cu_seqlens  # no host-to-device copy
+        _HOST_BOUNDS[cu] = (*self.bounds, nnz + pad) if pad else self.bounds
         longest = max(self.max_seqlen, pad)
         return {
             "input_ids": ids[:, chunk],
@@ -86,7 +90,19 @@ def pack(
         indices=indices,
         batch_size=b,
         seq_len=t,
+        bounds=(0, *itertools.accumulate(lengths)),
     )
+
+
+# The host copy of each `cu_seqlens` tensor `model_kwargs` hands a model (kept while the tensor lives): an attention
+# that plans on the host (`models/attention.py: bucketed_sdpa`) reads it instead of the device.
+_HOST_BOUNDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def host_bounds(cu_seqlens: Tensor) -> list[int]:
+    """`cu_seqlens` as host ints: the copy `PackedBatch.model_kwargs` kept beside it, else read (a sync on a device)."""
+    bounds = _HOST_BOUNDS.get(cu_seqlens)
+    return cu_seqlens.tolist() if bounds is None else list(bounds)
 
 
 def valid_positions(valid: Tensor, count: int) -> Tensor:

@@ -2,12 +2,14 @@
 
 The packed row holds several sequences one after another; `cu_seq_lens_q` (from `PackedBatch.model_kwargs`)
 says where each starts. Attention is computed within each sequence only:
-- CUDA: `flash_attn_varlen_func` when flash-attn is importable, else PyTorch's own
+- CUDA in float16 / bfloat16: `flash_attn_varlen_func` when flash-attn is importable, else PyTorch's own
   `torch.nn.attention.varlen.varlen_attn` (causal through `window_size=(-1, 0)`, native GQA when available), chosen
   once at registration (`KERNELS`); q/k/v reach it in one half dtype (`kernel_dtype`);
-- CPU (and other devices): `scaled_dot_product_attention` on buckets of sequences of similar length, each
-  right-padded to its longest (short sequences share a call, whose fixed cost dominates them), or one call per
-  sequence where a cost model fitted on measurements says so — linear in the pack, unlike a dense block-diagonal mask.
+- anything else (the CPU, other devices, float32 on CUDA, which the kernels do not take): `scaled_dot_product_attention`
+  on buckets of sequences of similar length, each right-padded to its longest (short sequences share a call, whose
+  fixed cost dominates them), or one call per sequence where a cost model fitted on measurements says so — linear in
+  the pack, unlike a dense block-diagonal mask. It plans from the sequence bounds on the host (`host_bounds`), so a
+  device reads nothing back.
 No attention mask is built for this implementation (transformers skips mask creation for unknown names).
 """
 
@@ -29,6 +31,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ppo_critic.data.batch import to_device
+from ppo_critic.data.packing import host_bounds
 
 VARLEN = "ppo_critic_varlen"
 PACKED_IMPLEMENTATIONS = (VARLEN, "flash_attention_2", "flash_attention_3")
@@ -83,36 +88,33 @@ def _attend(
     query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scaling, dropout: float, causal: bool, kwargs: dict
 ) -> tuple[Tensor, None]:
     kernel = KERNELS.get(query.device.type)
-    if kernel is None:
-        return _cpu_attention(query, key, value, cu_seqlens, scaling, dropout, causal), None
+    dtype = None if kernel is None else kernel_dtype(query, key, value)
+    if dtype is None:  # no kernel here, or none for this dtype
+        return bucketed_sdpa(query, key, value, cu_seqlens, scaling, dropout, causal), None
     max_len = int(kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
-    dtype = kernel_dtype(query, key, value)
     q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [nnz, H, D] in one half dtype
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     return kernel(q, k, v, cu, max_len, scaling, dropout, causal).unsqueeze(0), None
 
 
-def kernel_dtype(query: Tensor, key: Tensor, value: Tensor) -> torch.dtype:
+def kernel_dtype(query: Tensor, key: Tensor, value: Tensor) -> torch.dtype | None:
     """The one dtype the varlen kernels (fp16 / bf16 only) get: autocast's when it is on, since transformers' RoPE
-    hands q and k back in float32 beside a v in the autocast dtype; else the inputs' half dtype."""
+    hands q and k back in float32 beside a v in the autocast dtype; else the inputs' half dtype. None where that is
+    no half dtype (float32 compute): `bucketed_sdpa` takes those."""
     device = query.device.type
     if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    dtype = next((t.dtype for t in (value, query, key) if t.dtype in HALF), None)
-    if dtype is None:
-        raise ValueError(
-            f"the {device} varlen attention kernels take float16 / bfloat16, got {query.dtype}; set "
-            "critic.dtype=bfloat16, or model.use_remove_padding=false to run padded batches"
-        )
-    return dtype
+        dtype = torch.get_autocast_dtype(device)
+        return dtype if dtype in HALF else None
+    return next((t.dtype for t in (value, query, key) if t.dtype in HALF), None)
 
 
 @torch.compiler.disable  # eager inside compiled layers: the plan is Python from the data, cached across layers
-def _cpu_attention(
+def bucketed_sdpa(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float | None, dropout: float, causal: bool
 ) -> Tensor:
-    """q [1, Hq, nnz, D], k/v [1, Hkv, nnz, D] → [1, nnz, Hq, D] through `scaled_dot_product_attention`: per bucket
-    of sequences of similar length (`Buckets`), or per sequence when the cost model says that is faster."""
+    """q [1, Hq, nnz, D], k/v [1, Hkv, nnz, D] → [1, nnz, Hq, D] through `scaled_dot_product_attention`, on any device
+    and dtype: per bucket of sequences of similar length (`Buckets`), or per sequence when the cost model says that
+    is faster."""
     if q.shape[2] == 0:  # no tokens at all
         return q.transpose(1, 2)
     plan = Buckets.of(cu_seqlens, q.shape[1] * q.shape[-1], q.device)
@@ -170,7 +172,7 @@ class Buckets:
         key = (width, device)
         if _LAST_BUCKETS and _LAST_BUCKETS[0]() is cu_seqlens and _LAST_BUCKETS[1] == key:
             return _LAST_BUCKETS[2]
-        buckets = cls.build(cu_seqlens.tolist(), width).to(device)
+        buckets = cls.build(host_bounds(cu_seqlens), width).to(device)
         _LAST_BUCKETS[:] = [weakref.ref(cu_seqlens), key, buckets]
         return buckets
 
@@ -198,8 +200,12 @@ class Buckets:
         return all(n == 1 for n, _ in self.shapes)
 
     def to(self, device: torch.device) -> Buckets:
+        """The plan's index tensors on `device`, copied from the host without a host sync."""
         return dataclasses.replace(
-            self, gather=self.gather.to(device), valid=self.valid.to(device), scatter=self.scatter.to(device)
+            self,
+            gather=to_device(self.gather, device),
+            valid=to_device(self.valid, device),
+            scatter=to_device(self.scatter, device),
         )
 
 
@@ -235,7 +241,7 @@ def bucket_shapes(lengths: list[int], width: int) -> list[tuple[int, int]]:
 
 # One kernel per device type that has one ([nnz, H, D] q/k/v of one half dtype, int32 cu_seqlens on their device →
 # [nnz, Hq, D]), resolved once by `register()`: never inside traced code, where an import or a signature lookup would
-# break the graph at every attention call. A device type without a kernel runs `_cpu_attention`.
+# break the graph at every attention call. A device type without a kernel, or a dtype without one, runs `bucketed_sdpa`.
 Kernel = Callable[[Tensor, Tensor, Tensor, Tensor, int, "float | None", float, bool], Tensor]
 KERNELS: dict[str, Kernel] = {}
 HALF = (torch.float16, torch.bfloat16)
@@ -323,8 +329,9 @@ def use_packed_attention(model: nn.Module, name: str | None = None) -> str:
 
 
 def packed_blocker(model: nn.Module, name: str | None, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why `model` cannot run packed rows with attention `name` (None: ours) on `device` with compute dtype `dtype`,
-    or None when it can: what `use_remove_padding=auto` checks before it packs."""
+    """Why `model` cannot run packed rows with attention `name` (None: ours) on `device`, or None when it can: what
+    `use_remove_padding=auto` checks before it packs. Every compute `dtype` can (the kernels take the half ones,
+    `bucketed_sdpa` the others); the argument stays for the callers."""
     try:
         target = _switch_target(model, name or VARLEN)
     except ValueError as e:
@@ -344,8 +351,6 @@ def packed_blocker(model: nn.Module, name: str | None, device: torch.device, dty
     register()
     if device.type == "cuda" and device.type not in KERNELS:
         return "neither flash-attn nor torch.nn.attention.varlen is available"
-    if device.type in KERNELS and dtype not in HALF:
-        return f"the {device.type} varlen kernels take float16 / bfloat16, not {dtype}"
     return None
 
 
