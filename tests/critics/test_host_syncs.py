@@ -8,14 +8,16 @@ the GPU. A CPU run shows no such wait; `HostSyncs` counts what causes one on CUD
   copies across devices;
 - Python calls that copy device data to the host without an aten op on the CPU: `.tolist()`, `.numpy()`, `.cpu()`;
   and blocking host-to-device copies, which CUDA runs as a copy then a stream sync: `.to(device)` without
-  `non_blocking=True`, `torch.tensor` / `torch.as_tensor` of Python data with a `device`. These are counted where the
-  library (src/ppo_critic) calls them: torch's own `.to(device)` of tensors already there would be false alarms.
+  `non_blocking=True`, `torch.tensor` / `torch.as_tensor` of Python data with a `device` off the host. These are
+  counted where the library (src/ppo_critic) calls them: torch's own `.to(device)` of tensors already there would be
+  false alarms.
 Limits: on the CPU every tensor is a host tensor, so a read of a tensor that stays on the host on CUDA (the shuffled
 epoch's row order, an EMA's step counter, the FLOPs of host lengths) counts too: the counts are upper bounds. Syncs
 inside kernels, libraries or the allocator that surface as none of these ops are not seen (a CUDA run's
-`torch.cuda.set_sync_debug_mode` would see them). The CPU stand-in for the varlen kernel (`_cpu_attention`, which reads
-`cu_seqlens` to plan its buckets) is not counted: on CUDA the kernel takes `cu_seqlens` on the device and the longest
-length as a Python int. Syncs inside transformers are counted and named `via transformers`.
+`torch.cuda.set_sync_debug_mode` would see them). The packed attention of the CPU (and of float32 on CUDA),
+`bucketed_sdpa`, is counted: it plans from the host copy of `cu_seqlens` that packing keeps; only its planning from
+those host ints (`Buckets.build`, host tensors only) is not. Syncs inside transformers are counted and named
+`via transformers`.
 
 Measured here (tiny Qwen2, 8 rows, one epoch): before this change a mini-batch of k fixed micro-batches cost 10 + 8k
 (each `Batch.index` copied its index tensor per key from pageable memory, `pack` read `nonzero` and the longest row,
@@ -40,7 +42,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import make_batch, tiny_config
+import conftest  # its helpers are read on use: the verl suite, which imports the counter, has a conftest of its own
 from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.data.batch import Batch
 from ppo_critic.data.packing import pack
@@ -52,6 +54,7 @@ READS |= {aten._unique, aten._unique2, aten.unique_consecutive, aten.unique_dim}
 INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
 COPIES = {aten._to_copy, aten.copy_}
 SRC = str(Path(__file__).resolve().parents[2] / "src")
+THIRD_PARTY = ("transformers", "verl")  # libraries whose syncs are named beside the library frame that called them
 
 
 class HostSyncs(TorchDispatchMode):
@@ -68,17 +71,19 @@ class HostSyncs(TorchDispatchMode):
 
     @property
     def ours(self) -> int:
-        """The syncs of the library's own code (those inside transformers left out)."""
-        return sum(n for site, n in self.where.items() if "via transformers" not in site)
+        """The syncs of the library's own code (those inside transformers or verl left out)."""
+        return sum(n for site, n in self.where.items() if " via " not in site)
 
     def record(self, what: str, depth: int = 1) -> None:
-        """Count one sync at the innermost library frame (the test's own if none), naming transformers on the way."""
+        """Count one sync at the innermost library frame (the test's own if none), naming the innermost frame of
+        transformers or verl on the way (`via transformers modeling_utils.py:123`)."""
         if self.paused:
             return
         frame, via = sys._getframe(depth), ""
         while frame.f_back is not None and not frame.f_code.co_filename.startswith(SRC):
-            if not via and "/transformers/" in frame.f_code.co_filename:
-                via = f" via transformers {Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+            library = next((name for name in THIRD_PARTY if f"/{name}/" in frame.f_code.co_filename), None)
+            if not via and library:
+                via = f" via {library} {Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
             frame = frame.f_back
         self.where[f"{what} at {Path(frame.f_code.co_filename).name}:{frame.f_lineno}{via}"] += 1
 
@@ -123,7 +128,7 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostSyncs]:
         patch.setattr(torch.Tensor, "to", _blocking_to(counter, torch.Tensor.to))
         for name in ("tensor", "as_tensor"):
             patch.setattr(torch, name, _host_data(counter, getattr(torch, name), name))
-        patch.setattr(attention, "_cpu_attention", _uncounted(counter, attention._cpu_attention))
+        patch.setattr(attention.Buckets, "build", staticmethod(_uncounted(counter, attention.Buckets.build)))
         with counter:
             yield counter
 
@@ -154,7 +159,9 @@ def _blocking_to(counter: HostSyncs, method: Callable) -> Callable:
 
 def _host_data(counter: HostSyncs, factory: Callable, name: str) -> Callable:
     def make(data, *args, **kwargs):
-        if kwargs.get("device") is not None and not isinstance(data, torch.Tensor) and _from_library():
+        device = kwargs.get("device")
+        off_host = device is not None and torch.device(device).type != "cpu"
+        if off_host and not isinstance(data, torch.Tensor) and _from_library():
             counter.record(f"{name}(device=)", depth=2)
         return factory(data, *args, **kwargs)
 
@@ -172,7 +179,7 @@ def _uncounted(counter: HostSyncs, fn: Callable) -> Callable:
 def tiny_critic(**cfg) -> DataParallelPPOCritic:
     """A tiny float32 Qwen2 critic (hidden 64, 2 layers, no dropout) with SGD and clipping."""
     torch.manual_seed(0)
-    model = build_value_model(tiny_config("qwen2", classifier_dropout=0.0, use_cache=False))
+    model = build_value_model(conftest.tiny_config("qwen2", classifier_dropout=0.0, use_cache=False))
     config = {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 8, "grad_clip": 1.0, **cfg}
     return DataParallelPPOCritic(config, model, torch.optim.SGD(model.parameters(), lr=0.1))
 
@@ -180,7 +187,7 @@ def tiny_critic(**cfg) -> DataParallelPPOCritic:
 def syncs_of(monkeypatch, call: str, **cfg) -> HostSyncs:
     """The syncs of one `update_critic` or `compute_values` of 8 rows (6 prompt + 5 response tokens at most)."""
     critic = tiny_critic(**cfg)
-    batch = make_batch(8, 6, 5)
+    batch = conftest.make_batch(8, 6, 5)
     with counting(monkeypatch) as counter:
         getattr(critic, call)(batch)
     return counter

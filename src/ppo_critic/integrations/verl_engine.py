@@ -11,7 +11,9 @@ moving average). Model, optimizer, LR schedule, moving average and checkpoints a
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +26,18 @@ from verl.utils.metric import AggregationType, Metric
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 
+from ppo_critic.backends.build import model_source
 from ppo_critic.backends.data_parallel.critic import MicroLoss, MicroResult
-from ppo_critic.config.critic import CriticConfig
+from ppo_critic.config.critic import CriticConfig, ModelConfig
 from ppo_critic.config.env import OPTIONS_ENV, with_options
 from ppo_critic.config.verl import engine_section, to_mapping
-from ppo_critic.data.batch import MULTI_MODAL, Batch
-from ppo_critic.data.batching import check_token_budget
+from ppo_critic.data.batch import MULTI_MODAL, Batch, to_device
+from ppo_critic.data.batching import check_token_budget, restore_order
+from ppo_critic.data.packing import valid_positions
+from ppo_critic.models.attention import packed_blocker
+from ppo_critic.models.hf import build_value_model, hf_config_for
 from ppo_critic.parallel.layout import layout_of
-from ppo_critic.parallel.mesh import select_device
+from ppo_critic.parallel.mesh import compute_dtype, select_device
 from ppo_critic.parallel.offload import PhaseOffload
 from ppo_critic.run.checkpoint import delete_checkpoint, latest_checkpoint
 from ppo_critic.worker import CriticWorker, worker_config
@@ -46,6 +52,8 @@ VERL_DECIDES = {key: f"set critic.{key} in verl's critic config" for key in (*VE
 # verl's value_loss metrics that are means over a micro-batch's response tokens (`MiniBatchReport`)
 VPRED_MEAN = "critic/vpred_mean"
 TOKEN_MEANS = ("critic/vf_clipfrac", VPRED_MEAN)
+LOSSES = "loss"  # the micro-batches' losses, read beside the metrics
+TARGETS = ("returns", "response_mask", "values")  # what `value_norm` maps (the mask says which returns count)
 # the keys that set the engine's token budgets in verl 0.9's trainers (verl's yaml lacks the first: hydra needs `+`)
 INFER_BUDGET = "+critic.ppo_infer_max_token_len_per_gpu=N (verl's compute-values budget)"
 TRAIN_BUDGET = (
@@ -80,6 +88,36 @@ def check_verl_decides(base: CriticConfig, config: CriticConfig) -> None:
         )
 
 
+def check_packing(config: CriticConfig, device: torch.device) -> None:
+    """verl's `critic.model.use_remove_padding=true` (its default) and Ulysses need packed rows: a model that cannot run
+    them is refused before it is built, in verl's keys, with values verl's fields take (the critic names its own)."""
+    sp, packing = config.ulysses_sequence_parallel_size, config.model.use_remove_padding
+    if packing is not True and sp == 1:
+        return
+    dtype = compute_dtype(config.torch_dtype_name, device)
+    blocker = packed_blocker(model_skeleton(config.model), config.model.attn_implementation, device, dtype)
+    if blocker is None:
+        return
+    if sp > 1:
+        raise ValueError(
+            f"critic.fsdp.ulysses_sequence_parallel_size={sp} needs packed rows, which this model cannot run: "
+            f"{blocker}; set critic.fsdp.ulysses_sequence_parallel_size=1"
+        )
+    raise ValueError(
+        f"critic.model.use_remove_padding=true: this model cannot run packed rows: {blocker}; set "
+        "critic.model.use_remove_padding=false"
+    )
+
+
+def model_skeleton(model: ModelConfig) -> torch.nn.Module:
+    """The value model `model` describes, on the meta device: its config as the worker reads it, no weights."""
+    config = hf_config_for(*model_source(model), model.trust_remote_code)
+    with torch.device("meta"):
+        return build_value_model(
+            config, attn_implementation=model.attn_implementation, trust_remote_code=model.trust_remote_code
+        )
+
+
 @EngineRegistry.register(model_type="value_model", backend=BACKEND, device=["cuda", "cpu"])
 class PPOCriticEngine(BaseEngine):
     """verl's engine interface over a ppo-critic `CriticWorker` (built in `initialize`)."""
@@ -101,6 +139,7 @@ class PPOCriticEngine(BaseEngine):
     def initialize(self) -> None:
         """Model, optimizer, LR schedule and critic (once; verl's `reset` calls this again)."""
         if self.worker is None:
+            check_packing(self.config, self.device)
             total = getattr(self.optimizer_config, "total_training_steps", None)
             seed = getattr(self.engine_config, "seed", 0) or 0
             total = total if total and total > 0 else None
@@ -155,11 +194,13 @@ class PPOCriticEngine(BaseEngine):
         self._critic.critic_optimizer.zero_grad(set_to_none=True)
         self._finite = []
 
-    def optimizer_step(self) -> float:
-        """Clip, then step — or skip when the gradient norm or a micro-batch loss was not finite (NaN returned)."""
-        local = torch.stack(self._finite).all() if self._finite else torch.tensor(True)
-        finite = bool(self._critic.all_reduce(local.to(self.device, torch.float64), "min"))
-        return float(self._critic.optimizer_step(finite))
+    def optimizer_step(self) -> Tensor:
+        """Clip, then step — or skip when the gradient norm or a micro-batch loss was not finite (NaN). The pre-clip
+        norm comes back as a device scalar, which verl's worker reads: the decision to step is the one host sync."""
+        local = (
+            torch.stack(self._finite).all() if self._finite else torch.ones((), dtype=torch.bool, device=self.device)
+        )
+        return self._critic.optimizer_step(self._critic.all_reduce(local.double(), "min") == 1)
 
     def lr_scheduler_step(self) -> float:
         self.worker.scheduler.step()
@@ -168,24 +209,29 @@ class PPOCriticEngine(BaseEngine):
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None, forward_only: bool = False):
         """Micro-batches of one mini-batch through the critic: per-token `values` (nested, like verl's own value
         engine), verl's `loss_function` over the global denominators, and (unless `forward_only`) the backward. The
-        loss and metrics are the mini-batch's, whatever the micro-batches, DP or SP (`MiniBatchReport`)."""
+        loss and metrics are the mini-batch's, whatever the micro-batches, DP or SP (`MiniBatchReport`).
+
+        verl's worker hands the mini-batch on the host. Its lengths are read once, as it arrives, and size every
+        micro-batch on the host (DESIGN §3 "Host syncs"); each micro-batch of verl's data moves to the device without
+        blocking. The mini-batch's own reads: the input check, the denominators and the losses with the metrics."""
         critic, train = self._critic, not forward_only
-        batch = dense_inputs(data, self.device).with_lengths()  # read once: micro-batching and packing reuse them
-        critic.check_token_ids(batch)
+        batch = dense_inputs(data)
+        critic.check_token_ids(batch)  # on the host, before any work
+        batch = batch.to(self.device, non_blocking=True)
         groups = self._micro_batches(data, batch, train)
         report = MiniBatchReport(self.device)
         loss_fn = None
         if loss_function is not None:
             self._assign_denominators(data)
-            data = data.to(self.device)  # verl's loss reads it beside the values: both on the critic's device
-            self._normalise_targets(data, update=train)
-            loss_fn = self._micro_loss(data, loss_function, report)
+            targets = self._target_maps(data, update=train)
+            loss_fn = self._micro_loss(data, loss_function, report, targets)
         results = critic.forward_backward(batch, groups, loss_fn, backward=train)
         self._finite += [torch.isfinite(m.loss) for m in results if m.loss is not None]
-        values = map_flat(values_in_order(results, batch["attention_mask"]), self._raw_values)
+        values = map_flat(values_in_order(results, batch), self._raw_values)
         if not train:  # values served (verl's infer_batch): PopArt's first move is behind them
             critic.value_norm.values_served()
-        return {"model_output": {"values": values}, "loss": report.losses(), "metrics": self._metrics(report, train)}
+        losses, metrics = self._read(report, train)
+        return {"model_output": {"values": values}, "loss": losses, "metrics": metrics}
 
     def _raw_values(self, outputs: Tensor) -> Tensor:
         """The head's outputs as raw values: the objective's values (mse's, the outputs: verl's own value_loss trains
@@ -206,14 +252,18 @@ class PPOCriticEngine(BaseEngine):
             check_token_budget(batch.lengths(), budget, TRAIN_BUDGET if train else INFER_BUDGET)
         return critic.micro_batches(batch, dynamic, int(micro), int(budget))
 
-    def _micro_loss(self, data: TensorDict, loss_function: Callable, report: MiniBatchReport) -> MicroLoss:
-        """verl's `loss_function` on a micro-batch's rows of `data`, kept in `report`; the backward gets it times sp
-        (`_assign_denominators`)."""
+    def _micro_loss(
+        self, data: TensorDict, loss_function: Callable, report: MiniBatchReport, targets: TargetMaps
+    ) -> MicroLoss:
+        """verl's `loss_function` on a micro-batch's rows of `data` (selected on the host, moved without blocking),
+        kept in `report`; the backward gets it times sp (`_assign_denominators`)."""
         sp_size = self._critic.sp_size
 
         def verl_loss(inputs: Batch, rows: list[int], token_values: Tensor) -> Tensor:
-            values = as_jagged(token_values, inputs["attention_mask"])
-            micro_data = tu.index_select_tensor_dict(data, rows or [0])
+            values = as_jagged(token_values, inputs)
+            micro_data = targets.apply(
+                tu.index_select_tensor_dict(data, rows or [0]).to(self.device, non_blocking=True)
+            )
             loss, metrics = loss_function(
                 model_output={"values": values}, data=micro_data, dp_group=self.get_data_parallel_group()
             )
@@ -224,31 +274,32 @@ class PPOCriticEngine(BaseEngine):
 
         return verl_loss
 
-    def _metrics(self, report: MiniBatchReport, train: bool) -> dict[str, Any]:
-        """The mini-batch's metrics as verl's worker collects them; under `value_norm` the predictions' mean in raw
-        space (as ppo-critic's own critic reports it) and, in training, the return statistics."""
+    def _read(self, report: MiniBatchReport, train: bool) -> tuple[list[float], dict[str, Any]]:
+        """verl's losses and the mini-batch's metrics as verl's worker collects them, in one host read; under
+        `value_norm` the predictions' mean in raw space (as ppo-critic's own critic reports it) and, in training, the
+        return statistics."""
         norm = self._critic.value_norm
-        metrics = report.metrics(self._critic.all_reduce, self.layout.dp)
-        if norm.enabled and VPRED_MEAN in metrics:
-            mean = torch.tensor(metrics[VPRED_MEAN][0], dtype=torch.float64)
-            metrics[VPRED_MEAN] = [float(norm.denormalise(mean.to(norm.mean.device)))]
-        if norm.enabled and train:
-            metrics |= {"critic/value_norm_mean": [norm.mean.item()], "critic/value_norm_std": [norm.std.item()]}
-        return metrics
+        extras = {"critic/value_norm_mean": norm.mean, "critic/value_norm_std": norm.std}
+        raw = {VPRED_MEAN: norm.denormalise}
+        return report.read(self._critic.all_reduce, self.layout.dp, raw, extras if norm.enabled and train else {})
 
     def _assign_denominators(self, data: TensorDict) -> None:
         """verl's loss normalises by `batch_num_tokens` (this mini-batch's loss-mask tokens on every DP rank) and
         `global_batch_size` (its sequences), times `dp_size`, the DP size, as verl's own engine sets it: so the loss
         and the metrics verl reads are the mini-batch's. Gradients are averaged over all dp × sp ranks, and under
-        Ulysses each sp rank backpropagates its slice of the loss: the backward gets the loss times sp."""
-        tokens = self._critic.all_reduce(data["loss_mask"].sum().double().to(self.device))
-        assign = {"batch_num_tokens": float(tokens), "dp_size": self.layout.dp}
+        Ulysses each sp rank backpropagates its slice of the loss: the backward gets the loss times sp. Read once:
+        from the host data in one process, after one collective under DP."""
+        tokens = flat(data["loss_mask"]).sum().double()
+        local = torch.stack([tokens, torch.full_like(tokens, float(len(data)))])
+        if self.layout.dp > 1:
+            local = self._critic.all_reduce(to_device(local, self.device))
+        tokens, rows = local.tolist()
+        assign = {"batch_num_tokens": tokens, "dp_size": self.layout.dp}
         if tu.get_non_tensor_data(data, "global_batch_size", None) is None:
-            rows = torch.tensor(float(len(data)), dtype=torch.float64, device=self.device)
-            assign["global_batch_size"] = float(self._critic.all_reduce(rows))
+            assign["global_batch_size"] = rows
         tu.assign_non_tensor(data, **assign)
 
-    def _normalise_targets(self, data: TensorDict, update: bool) -> None:
+    def _target_maps(self, data: TensorDict, update: bool) -> TargetMaps:
         """Under `value_norm` the model predicts normalised returns: verl's loss gets `returns` and old `values` in
         that space. Training first merges this mini-batch's returns into the statistics (over DP, before its step;
         ppo-critic's own `update_critic` merges the whole call's before its first step: the two agree when a call
@@ -256,11 +307,9 @@ class PPOCriticEngine(BaseEngine):
         again, which leaves their mean and variance as they are and only weighs the call more against earlier ones;
         under `value_norm_decay` < 1 each merge also decays what the statistics held, so they forget faster there)."""
         if not self._critic.value_norm.enabled:
-            return
-        returns, mask, values = (flat(data[key]) for key in ("returns", "response_mask", "values"))
-        to_returns, to_values = self._critic.target_maps(returns, mask, values, update)
-        data["returns"] = map_flat(data["returns"], to_returns)
-        data["values"] = map_flat(data["values"], to_values)
+            return TargetMaps()
+        returns, mask, values = (flat(data[key]).to(self.device, non_blocking=True) for key in TARGETS)
+        return TargetMaps(*self._critic.target_maps(returns, mask, values, update))
 
     def get_data_parallel_size(self) -> int:
         return self.layout.dp
@@ -331,18 +380,34 @@ class PPOCriticEngine(BaseEngine):
         return self._worker.critic
 
 
+@dataclass
+class TargetMaps:
+    """The maps of verl's `returns` and old `values` into the model's output space (`value_norm`; none when off)."""
+
+    returns: Callable[[Tensor], Tensor] | None = None
+    values: Callable[[Tensor], Tensor] | None = None
+
+    def apply(self, data: TensorDict) -> TensorDict:
+        """`data` (a micro-batch of verl's) with its returns and old values mapped, in place."""
+        for key, fn in (("returns", self.returns), ("values", self.values)):
+            if fn is not None:
+                data[key] = map_flat(data[key], fn)
+        return data
+
+
 class MiniBatchReport:
     """verl's loss and metrics of one mini-batch, one value per metric over all DP ranks. verl's value_loss reports per
     micro-batch and verl's worker averages those unweighted, which would change with the micro-batches and DP: here a
     summed `Metric` (the loss over the global denominators) is summed over the micro-batches and read as verl reads
     it, and a mean over response tokens (`TOKEN_MEANS`) is weighted by each micro-batch's tokens; any other metric
-    passes through as verl gave it."""
+    passes through as verl gave it. Kept on the device (verl's numbers, host floats, beside it) until `read`."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._losses: list[Tensor] = []
         self._tokens: list[Tensor] = []
-        self._sums: dict[str, list[Tensor]] = {}
+        self._weighted: dict[str, list[Tensor]] = {}  # token means × tokens, per micro-batch, on the device
+        self._sums: dict[str, float] = {}  # summed Metrics over the micro-batches (verl gives host floats)
         self._summed: dict[str, AggregationType] = {}  # keys of summed Metrics -> their aggregation
         self._passed: dict[str, Any] = {}
 
@@ -352,72 +417,99 @@ class MiniBatchReport:
         tokens = (response_mask != 0).sum().double()
         self._tokens.append(tokens)
         for key, value in metrics.items():
-            part = self._part(key, value, tokens)
-            if part is None:
-                append_to_dict(self._passed, {key: value})
+            if isinstance(value, Metric) and value.aggregation is AggregationType.SUM:
+                self._summed[key] = value.aggregation
+                self._sums[key] = self._sums.get(key, 0.0) + sum(value.values)
+            elif key in TOKEN_MEANS and not isinstance(value, Metric):
+                self._weighted.setdefault(key, []).append(tokens * value)
             else:
-                self._sums.setdefault(key, []).append(part)
+                append_to_dict(self._passed, {key: value})
 
-    def _part(self, key: str, value: Any, tokens: Tensor) -> Tensor | None:
-        """`value`'s share of its metric's mini-batch sum (float64 on the device), or None to pass it through."""
-        if isinstance(value, Metric) and value.aggregation is AggregationType.SUM:
-            self._summed[key] = value.aggregation
-            return torch.tensor(sum(value.values), dtype=torch.float64, device=self.device)
-        if key in TOKEN_MEANS and not isinstance(value, Metric):
-            return torch.as_tensor(value, dtype=torch.float64, device=self.device) * tokens
-        return None
-
-    def losses(self) -> list[float]:
-        """The micro-batches' losses for verl's worker, which sums them and averages over DP (one device sync)."""
-        return torch.stack(self._losses).tolist() if self._losses else []
-
-    def metrics(self, reduce: Callable[[Tensor], Tensor], dp_size: int) -> dict[str, Any]:
-        """Each metric of the mini-batch on every DP rank (`reduce`: the sum over DP, one collective): a summed Metric
-        holds the mean over ranks of each rank's sum (what verl's worker makes of it), a token mean the global one."""
-        if not self._tokens:
-            return dict(self._passed)
-        keys = list(self._sums)
-        local = torch.stack([torch.stack(self._tokens).sum(), *(torch.stack(self._sums[k]).sum() for k in keys)])
-        tokens, *totals = reduce(local).tolist()
+    def read(
+        self,
+        reduce: Callable[[Tensor], Tensor],
+        dp_size: int,
+        raw: dict[str, Callable[[Tensor], Tensor]],
+        extras: dict[str, Tensor],
+    ) -> tuple[list[float], dict[str, Any]]:
+        """The micro-batches' losses, for verl's worker (which sums them and averages over DP), and each metric of the
+        mini-batch on every DP rank, with `extras` (device scalars) beside them: one host read."""
         metrics = dict(self._passed)
-        for key, total in zip(keys, totals, strict=True):
+        parts = self._device_parts(reduce, dp_size, raw) | {k: v.double().reshape(1) for k, v in extras.items()}
+        if not parts:
+            return [], metrics
+        read = _unflattened(torch.cat(list(parts.values())).tolist(), parts)
+        losses = read.pop(LOSSES, [])
+        for key, values in read.items():
             summed = self._summed.get(key)
-            metrics[key] = [total / max(tokens, 1.0)] if summed is None else Metric(summed, total / dp_size)
-        return metrics
+            metrics[key] = values if summed is None else Metric(summed, values[0])
+        return losses, metrics
+
+    def _device_parts(
+        self, reduce: Callable[[Tensor], Tensor], dp_size: int, raw: dict[str, Callable[[Tensor], Tensor]]
+    ) -> dict[str, Tensor]:
+        """float64 device tensors: the losses, and each metric over all DP ranks after one collective (`reduce`, the
+        sum over DP): a summed Metric the mean over ranks of each rank's sum (what verl's worker makes of it), a token
+        mean the global one (through `raw[key]` where given)."""
+        if not self._tokens:
+            return {}
+        weighted, summed = list(self._weighted), list(self._sums)
+        local = torch.stack(
+            [torch.stack(self._tokens).sum(), *(torch.stack(self._weighted[k]).sum() for k in weighted)]
+        )
+        sums = to_device(torch.tensor([self._sums[k] for k in summed], dtype=torch.float64), self.device)
+        total = reduce(torch.cat([local, sums]))
+        means = total[1 : 1 + len(weighted)] / total[0].clamp(min=1.0)
+        parts = {LOSSES: torch.stack(self._losses).double()}
+        parts |= {key: raw.get(key, _unchanged)(means[i : i + 1]) for i, key in enumerate(weighted)}
+        first = 1 + len(weighted)
+        return parts | {key: total[first + i : first + i + 1] / dp_size for i, key in enumerate(summed)}
 
 
-def dense_inputs(data: TensorDict, device: torch.device) -> Batch:
+def _unchanged(x: Tensor) -> Tensor:
+    return x
+
+
+def _unflattened(values: list[float], parts: dict[str, Tensor]) -> dict[str, list[float]]:
+    """`values`, read from the concatenated `parts`, cut back into one list per part."""
+    out, start = {}, 0
+    for key, part in parts.items():
+        out[key], start = values[start : start + len(part)], start + len(part)
+    return out
+
+
+def dense_inputs(data: TensorDict) -> Batch:
     """Right-padded `input_ids`, `attention_mask` and `position_ids` of verl's nested (padding-free) mini-batch, with
-    its per-sample `multi_modal_inputs` when it has them, on `device`."""
+    its per-sample `multi_modal_inputs` when it has them, where verl's data is (the host), its lengths read once."""
     ids = data["input_ids"]
-    lengths = ids.offsets().diff().long()
-    mask = torch.arange(int(lengths.max()), device=lengths.device)[None, :] < lengths[:, None]
+    lengths = ids.offsets().diff().tolist()
+    lengths_on_device = to_device(torch.tensor(lengths, device="cpu"), ids.device)
+    mask = torch.arange(max(lengths, default=0), device=ids.device) < lengths_on_device[:, None]
+    count = sum(lengths)
     tensors = {
         "attention_mask": mask.long(),
-        "input_ids": padded(ids.values(), mask),
-        "position_ids": dense_positions(data["position_ids"].values(), mask),
+        "input_ids": padded(ids.values(), mask, count),
+        "position_ids": dense_positions(data["position_ids"].values(), mask, count),
     }
     samples = data.get(MULTI_MODAL, None)
     non_tensors = {} if samples is None else {MULTI_MODAL: multi_modal_samples(samples)}
-    return Batch(tensors, non_tensors).to(device)
+    return Batch(tensors, non_tensors, seq_lens=lengths)
 
 
-def padded(values: Tensor, mask: Tensor) -> Tensor:
-    """Packed per-token `values` [nnz] at the valid positions of `mask` [B, T] (row-major: the packing order)."""
-    dense = values.new_zeros(mask.shape)
-    dense[mask] = values
-    return dense
+def padded(values: Tensor, mask: Tensor, count: int) -> Tensor:
+    """Packed per-token `values` [nnz, ...] at the `count` valid positions of `mask` [B, T] (row-major: the packing
+    order), zeros elsewhere: [B, T, ...]."""
+    dense = values.new_zeros(mask.numel(), *values.shape[1:])
+    dense[valid_positions(mask.flatten(), count)] = values
+    return dense.view(*mask.shape, *values.shape[1:])
 
 
-def dense_positions(values: Tensor, mask: Tensor) -> Tensor:
+def dense_positions(values: Tensor, mask: Tensor, count: int) -> Tensor:
     """Position ids [B, T] from verl's packed ones [nnz]; mrope ids [B, 3, T] from its [k, nnz] (Qwen2-VL's three
     rows; verl 0.9 puts the text positions first, as a fourth row, which the critic's packing does not need)."""
     if values.dim() == 1:
-        return padded(values, mask)
-    rows = values[-3:]
-    dense = rows.new_zeros((mask.shape[0], 3, mask.shape[1]))
-    dense.transpose(1, 2)[mask] = rows.T
-    return dense
+        return padded(values, mask, count)
+    return padded(values[-3:].T, mask, count).transpose(1, 2).contiguous()
 
 
 def multi_modal_samples(samples: Any) -> np.ndarray:
@@ -427,20 +519,20 @@ def multi_modal_samples(samples: Any) -> np.ndarray:
     return np.array([getattr(item, "data", item) or {} for item in items], dtype=object)
 
 
-def values_in_order(results: list[MicroResult], attention_mask: Tensor) -> Tensor:
+def values_in_order(results: list[MicroResult], batch: Batch) -> Tensor:
     """The per-token values of the real micro-batches, back in the mini-batch's row order, as one nested tensor."""
-    rows: dict[int, Tensor] = {}
-    for m in results:
-        if m.rows:
-            rows.update(zip(m.rows, as_jagged(m.values, attention_mask[m.rows]).unbind(), strict=True))
-    return torch.nested.as_nested_tensor([rows[i] for i in range(len(attention_mask))], layout=torch.jagged)
+    real = [m for m in results if m.rows]
+    dense = restore_order([m.values for m in real], [m.rows for m in real])
+    return as_jagged(dense, batch)
 
 
-def as_jagged(values: Tensor, attention_mask: Tensor) -> Tensor:
-    """Per-token values [b, T] at the valid positions of a right-padded micro-batch, as verl's nested layout."""
-    lengths = attention_mask.sum(-1)
-    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-    return torch.nested.nested_tensor_from_jagged(values[attention_mask.bool()], offsets)
+def as_jagged(values: Tensor, batch: Batch) -> Tensor:
+    """Per-token values [b, T] at the valid positions of a right-padded micro-batch `batch`, as verl's nested layout:
+    sized by the lengths the batch carries, so nothing is read back."""
+    lengths = batch.lengths()
+    offsets = to_device(torch.tensor([0, *itertools.accumulate(lengths)], device="cpu"), values.device)
+    flat_values = values.flatten(0, 1)[valid_positions(batch["attention_mask"].bool().flatten(), sum(lengths))]
+    return torch.nested.nested_tensor_from_jagged(flat_values, offsets)
 
 
 def flat(tensor: Tensor) -> Tensor:

@@ -27,12 +27,15 @@ from verl.utils.metric import reduce_metrics
 from verl.workers.utils.losses import value_loss
 from verl.workers.utils.padding import left_right_2_no_padding
 
+from cuda_contract import Calls, flash_attn_varlen_func
 from multimodal import add_images, tiny_qwen2_vl
 from ppo_critic import DataParallelPPOCritic, build_value_model
+from ppo_critic.config.critic import CriticConfig
 from ppo_critic.config.env import OPTIONS_ENV
-from ppo_critic.integrations.verl_engine import dense_inputs, engine_critic_config
+from ppo_critic.integrations.verl_engine import check_packing, dense_inputs, engine_critic_config
+from ppo_critic.models import attention
 from ppo_critic.run.checkpoint import export_hf
-from verl_shared import MODES, params, rel_change, rollout, save_tiny_critic
+from verl_shared import MODES, hydra_value, params, rel_change, rollout, save_tiny_critic
 
 LAYOUT = 1e-5  # DESIGN §6: one update at any layout equals the single-process update to this relative error
 # the same rows with padding elsewhere (verl's nested rows are padded on the right, the reference's prompts on the
@@ -169,6 +172,50 @@ def test_values_update_and_checkpoint_equal_ppo_critics_own(single_process, mode
     fresh = training_worker(model_dir, **SGD, **batching, **{"model.use_remove_padding": packed})
     fresh.load_checkpoint(str(tmp_path / "global_step_1" / "critic"))
     assert torch.equal(infer_values(fresh, data), after)
+
+
+FP32 = {"+fsdp.mixed_precision": "{param_dtype: fp32, reduce_dtype: fp32, buffer_dtype: fp32}"}
+FIXED = {"+fsdp.use_dynamic_bsz": False, "+fsdp.micro_batch_size_per_gpu": 2}
+
+
+def test_float32_with_verls_default_packing_runs_where_a_kernel_is_registered(single_process, model_dir, monkeypatch):
+    """An all-fp32 critic.fsdp.mixed_precision beside verl's default critic.model.use_remove_padding=true where a
+    half-dtype varlen kernel is registered (CUDA's case; here tests/cuda_contract.py's stand-in is the CPU's): the
+    engine packs through the bucketed sdpa, never calls the kernel, and gives ppo-critic's own values and update."""
+    calls = Calls()
+    attention.register()
+    monkeypatch.setitem(attention.KERNELS, "cpu", attention.flash_kernel(flash_attn_varlen_func(calls)))
+    data = rollout(8, seed=1)
+    worker = training_worker(model_dir, **SGD, **FP32, **FIXED, **{"model.use_remove_padding": True})
+    assert worker.engine.worker.critic.use_remove_padding
+    expected = reference(model_dir, data, mini_batch_size=4)
+    torch.testing.assert_close(infer_values(worker, data), expected["values"], **VALUES)
+    train(worker, data, mini_batch_size=4)
+    assert rel_change(engine_params(worker), expected["after"], expected["before"]) <= LAYOUT
+    assert not calls.dtypes
+
+
+SLIDING = {"sliding_window": 4, "layer_types": ["sliding_attention"] * 2}  # ppo-critic's packed rows run none
+VERL_SAID = r"critic.model.use_remove_padding=true: this model cannot run packed rows: [^\n]*sliding-window"
+
+
+def test_a_model_that_cannot_pack_is_refused_in_verls_keys(single_process, model_dir):
+    """verl's use_remove_padding is a boolean (true by default): a model whose attention cannot run packed rows is
+    refused when the engine is built, in one line naming verl's key and a value it takes; false runs padded."""
+    sliding = {f"+model.override_config.{key}": hydra_value(value) for key, value in SLIDING.items()}
+    with pytest.raises(ValueError, match=rf"^{VERL_SAID}[^\n]*; set critic.model.use_remove_padding=false$"):
+        training_worker(model_dir, **sliding, **{"model.use_remove_padding": True})
+    worker = training_worker(model_dir, **sliding, **{"model.use_remove_padding": False})
+    assert not worker.engine.worker.critic.use_remove_padding
+
+
+def test_ulysses_with_a_model_that_cannot_pack_is_refused_in_verls_keys(model_dir):
+    config = CriticConfig.from_dict(
+        {"ulysses_sequence_parallel_size": 2, "model": {"path": str(model_dir), "override_config": SLIDING}}
+    )
+    said = "critic.fsdp.ulysses_sequence_parallel_size=2 needs packed rows, which this model cannot run: "
+    with pytest.raises(ValueError, match=rf"^{said}[^\n]*; set critic.fsdp.ulysses_sequence_parallel_size=1$"):
+        check_packing(config, torch.device("cpu"))
 
 
 def test_metrics_are_the_mini_batchs_whatever_the_micro_batches(single_process, model_dir):
@@ -311,7 +358,7 @@ def test_dense_inputs_are_built_on_the_datas_device():
     from the data is built on its device. Here the data is on the CPU and the default device is `meta`."""
     data = left_right_2_no_padding(rollout(4, seed=9).to_tensordict())
     with torch.device("meta"):
-        batch = dense_inputs(data, torch.device("cpu"))
+        batch = dense_inputs(data)
     mask = batch["attention_mask"].bool()
     assert mask.device.type == "cpu" and torch.equal(batch["input_ids"][mask], data["input_ids"].values())
     assert torch.equal(batch["position_ids"][mask], data["position_ids"].values())
