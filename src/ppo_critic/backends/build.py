@@ -15,6 +15,8 @@ from safetensors import SafetensorError
 from torch import Tensor, nn
 
 from ppo_critic.config.critic import CriticConfig, ModelConfig, OptimConfig
+from ppo_critic.config.modes import EXPORTED_OBJECTIVE
+from ppo_critic.critics.objectives import check_saved
 from ppo_critic.models.hf import build_value_model, find_value_head, hf_config_for
 from ppo_critic.models.lora import apply_lora
 from ppo_critic.parallel.master_weights import MasterWeightOptimizer, store_in
@@ -25,10 +27,10 @@ def worker_config(config: Any) -> CriticConfig:
     return CriticConfig.from_any(config, worker=True)
 
 
-def model_from_config(model: ModelConfig, head_outputs: int = 1) -> nn.Module:
+def model_from_config(model: ModelConfig, head_outputs: int = 1, objective: CriticConfig | None = None) -> nn.Module:
     """The value model named by `model.path` (+ `override_config`), or built from `override_config` alone, its head
     of `head_outputs` per token; with LoRA adapters (only they and the value head trainable) when `model.lora_rank`
-    > 0."""
+    > 0. A saved critic whose config.json names another objective than `objective`'s is refused (`check_saved`)."""
     if model.path is None and "model_type" not in model.override_config:
         raise ValueError(
             "critic.model.path is not set; give a model directory, or a full transformers config with "
@@ -49,6 +51,8 @@ def model_from_config(model: ModelConfig, head_outputs: int = 1) -> nn.Module:
     except (MemoryError, RuntimeError, SafetensorError) as err:  # a model too large to allocate; damaged weights
         what = f"critic.model.path={model.path}" if model.path is not None else "critic.model.override_config"
         raise ValueError(f"cannot build the value model of {what}: {type(err).__name__}: {err}") from err
+    if objective is not None:
+        check_saved(getattr(built.config, EXPORTED_OBJECTIVE, None), objective, f"critic.model.path={model.path}")
     if model.lora_rank:
         built = apply_lora(built, model.lora_rank, model.lora_alpha, model.target_modules)
     return built

@@ -134,3 +134,27 @@ def test_values_of_a_bce_export_are_probabilities_as_from_its_run(tmp_path, caps
         out = tmp_path / "logits.jsonl"
         code, text = run_cli(["values", str(source), f"data={data}", f"out={out}", "critic.vf_loss_type=mse"], capsys)
         assert code == 2 and "critic.vf_loss_type: 'bce' -> 'mse'" in text and not out.exists(), text
+
+
+def test_a_saved_critic_is_read_as_the_objective_it_names(tmp_path):
+    """Issue 52, the export's promise beyond `values`: a model directory whose config.json names bce, built as the
+    critic of another objective (a worker, or verl's worker handing its module to the critic), would read logits as
+    values; refused naming the objective to set. mse and huber read each other's models (one output, the value)."""
+    from conftest import TINY
+    from ppo_critic.worker import CriticWorker
+
+    base = {"ppo_mini_batch_size": 4, "value_norm": "off"}
+    worker = CriticWorker(base | {"vf_loss_type": "bce", "model": {"override_config": {"model_type": "qwen2", **TINY}}})
+    worker.export_hf(tmp_path / "bce")
+    CriticWorker(base | {"vf_loss_type": "bce", "model": {"path": str(tmp_path / "bce")}})
+    message = r"holds a critic of vf_loss_type='bce' \(ppo_critic_vf_loss_type in its config.json\), whose outputs "
+    with pytest.raises(ValueError, match=rf"critic.model.path={tmp_path / 'bce'} {message}"):
+        CriticWorker(base | {"model": {"path": str(tmp_path / "bce")}})
+    from ppo_critic import build_value_model
+
+    model = build_value_model(str(tmp_path / "bce"))
+    with pytest.raises(ValueError, match=rf"^the model {message}vf_loss_type='huber' would misread; set vf_loss_type"):
+        DataParallelPPOCritic(base | {"vf_loss_type": "huber"}, model, None)
+    worker = CriticWorker(base | {"model": {"override_config": {"model_type": "qwen2", **TINY}}})
+    worker.export_hf(tmp_path / "mse")
+    CriticWorker(base | {"vf_loss_type": "huber", "model": {"path": str(tmp_path / "mse")}})

@@ -44,7 +44,9 @@ class DataParallelBackend:
         sizes = self.layout.rank_sizes(config)
         torch.manual_seed(seed)
         outputs = objective_of(config).outputs  # the value head's outputs per token
-        model = model_from_config(config.model, outputs).to(self.device)  # same seed: same weights on every rank
+        model = model_from_config(config.model, outputs, config).to(
+            self.device
+        )  # same seed: same weights on every rank
         self.hf_config = model.config
         masters = low_precision(model, config)  # critic.param_dtype: before DDP, whose buckets take the dtype
         self.model = parallelize(model, config, self.device, self.layout)

@@ -21,6 +21,7 @@ from ppo_critic.config.modes import EXPORTED_OBJECTIVE
 from ppo_critic.config.ranks import check_ranks_agree
 from ppo_critic.critics.base import Perf, PPOCriticBase, UpdateMetrics
 from ppo_critic.critics.ema import ParameterEMA
+from ppo_critic.critics.objectives import check_saved
 from ppo_critic.critics.perf import ModelShape, PhaseTimer
 from ppo_critic.critics.value_norm import ValueNormalizer
 from ppo_critic.data.batch import MULTI_MODAL, Batch
@@ -156,7 +157,8 @@ class DataParallelPPOCritic(PPOCriticBase):
         if popart and head.bias is None:
             raise ValueError("value_norm=popart needs a value head with a bias (the mean shift goes there)")
         hf_config = getattr(unwrap(self.critic_module), "config", None)
-        if hf_config is not None:  # an HF save holds the head as it is: say how to read it
+        if hf_config is not None:  # an HF save holds the head as it is: say how to read it (a saved one says already)
+            check_saved(getattr(hf_config, EXPORTED_OBJECTIVE, None), self.config, "the model")
             setattr(hf_config, EXPORTED_OBJECTIVE, self.config.vf_loss_type)
 
     def _check_trainable(self) -> None:

@@ -33,7 +33,7 @@ class MegatronBackend:
     ):
         self.config, mcfg = config, config.megatron
         torch.manual_seed(seed)
-        hf_model = model_from_config(config.model)  # same seed: same weights on every rank
+        hf_model = model_from_config(config.model, 1, config)  # same seed: same weights on every rank
         tp_pp = (mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size)
         check_supported(hf_model.config, *tp_pp, mcfg.virtual_pipeline_model_parallel_size)
         mp.initialize(mcfg, dist_timeout_s)

@@ -78,6 +78,27 @@ def objective_of(config: CriticConfig) -> ValueObjective:
     return _checked(name, build(config))
 
 
+def check_saved(saved: object, config: CriticConfig, where: str) -> None:
+    """A model saved with its objective's name (`ppo_critic_vf_loss_type` in an export's config.json) is read as that
+    objective: another `vf_loss_type` would misread its head (bce's logits as values). Objectives whose one output is
+    the value (mse, huber) read each other's models alike."""
+    name = config.vf_loss_type
+    if saved is None or saved == name or (_reads_values(saved) and _reads_values(name)):
+        return
+    raise ValueError(
+        f"{where} holds a critic of vf_loss_type={saved!r} (ppo_critic_vf_loss_type in its config.json), whose "
+        f"outputs vf_loss_type={name!r} would misread; set vf_loss_type={saved}"
+    )
+
+
+def _reads_values(name: object) -> bool:
+    """Whether the built-in objective `name` gives one output per token, the value itself."""
+    if name not in BUILT_IN_VF_LOSS_TYPES:
+        return False
+    objective = objective_of(CriticConfig(vf_loss_type=name))
+    return objective.identity and objective.outputs == 1
+
+
 def _checked(name: str, objective: object) -> ValueObjective:
     """`objective` when it is a `ValueObjective` of a positive integer number of outputs, else a one-line refusal
     naming the objective (0 outputs would train a NaN loss; None would fail deep in the update)."""
