@@ -16,19 +16,20 @@ from ppo_critic.run.lifecycle import Run
 NOW = {"trainer": {"steps": 8}, "critic": {"optim": {"lr": 0.002}}}
 
 
-def saved_run(path: Path) -> Path:
-    """A run directory whose config.yaml says steps 4, lr 0.001."""
+def saved_run(path: Path, trained: bool = True) -> Path:
+    """A run directory whose config.yaml says steps 4, lr 0.001, and (`trained`) whose metrics record a step."""
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(yaml.safe_dump({"trainer": {"steps": 4}, "critic": {"optim": {"lr": 0.001}}}))
+    (path / "metrics.jsonl").write_text('{"step": 1}\n' if trained else "")
     return path
 
 
 def test_a_run_is_locked_while_open_and_its_changes_recorded_only_after_a_resume(tmp_path):
     said = []
-    path = saved_run(tmp_path / "run")
+    path = saved_run(tmp_path / "run", trained=False)  # a start that failed before its first step
     with Run(TrainerConfig(run_dir=str(path)), lead=True, say=said.append).claim(overwrite=False) as run:
         assert (path / LOCK_FILE).is_file() and run.lock is not None
-        assert run.check_options(NOW, "fsdp2") == {"critic.optim.lr": [0.001, 0.002], "trainer.steps": [4, 8]}
+        assert run.check_options(NOW, "fsdp2") == {}  # nothing was trained with the saved options
         assert run.resume(lambda checkpoint: checkpoint) is None  # no checkpoint, no recorded step: a fresh start
         run.start(NOW, 0)
     assert not (path / "config_changes.jsonl").exists()  # nothing was resumed, so nothing changed on resume

@@ -159,6 +159,7 @@ def test_export_of_the_old_run_loads(commands):
     configs = [json.loads((d / "config.json").read_text()) for d in (out, command.run / "hf")]
     for config in configs:
         config.pop("transformers_version", None)
+    assert configs[0].pop("ppo_critic_vf_loss_type") == "mse"  # an export names its objective now (issue 52)
     assert configs[0] == configs[1]
 
     # docs/usage.md: a token-classification critic loads with AutoModelForTokenClassification.from_pretrained(out_dir)

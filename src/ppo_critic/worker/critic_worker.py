@@ -165,12 +165,13 @@ class CriticWorker:
             group["initial_lr"] = base
             group["lr"] = base * factor(scheduler.last_epoch)
 
-    def export_hf(self, out_dir: str | Path, replace: bool = False) -> Path:
+    def export_hf(self, out_dir: str | Path, replace: bool | Callable[[Path], object] = False) -> Path:
         """The critic as an HF checkpoint that predicts raw values: a LoRA critic is exported merged (adapters folded
         into the base weights, so it loads without peft), and under `value_norm` the return statistics are folded
         into the value head (`w·σ`, `b·σ + μ`); under `ema_decay` the weights are the moving average. Either way the
-        export gives the values `compute_values` gives. `out_dir` must not exist or be empty, unless `replace`
-        (an export this worker's run wrote before: `checkpoint.export_hf`)."""
+        export gives the values `compute_values` gives. `out_dir` must not exist or be empty, unless `replace`: True
+        for an export this worker's run wrote before, a callable told where a user's was moved aside
+        (`checkpoint.export_hf`); either way the old one makes way only once the new one is whole."""
         self.check_exportable()
         setattr(self.hf_config, EXPORTED_OBJECTIVE, self.config.vf_loss_type)  # how its outputs become values
         with self.offload.resident(model=True), self.critic.averaged_weights():  # ema_decay: the values' average

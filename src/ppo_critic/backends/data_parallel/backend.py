@@ -78,13 +78,13 @@ class DataParallelBackend:
                     average.copy_(got)
         return loaded, state
 
-    def export_hf(self, out_dir: str | Path, replace: bool) -> Path:
+    def export_hf(self, out_dir: str | Path, replace: bool | Callable[[Path], object]) -> Path:
         """The live weights as an HF checkpoint (the float32 masters under `critic.param_dtype`): a LoRA critic
         merged, `value_norm`'s statistics folded into the head; rank 0 writes, the others join the gather and wait."""
         with float32_weights(self.optimizer):
             return self._export_hf(out_dir, replace)
 
-    def _export_hf(self, out_dir: str | Path, replace: bool) -> Path:
+    def _export_hf(self, out_dir: str | Path, replace: bool | Callable[[Path], object]) -> Path:
         """`export_hf` of the weights the parameters hold now."""
         lora, norm = bool(self.config.model.lora_rank), self.critic.value_norm
         if not lora and not norm.enabled:

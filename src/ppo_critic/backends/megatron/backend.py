@@ -88,7 +88,7 @@ class MegatronBackend:
         state = load_state_dicts(path, state_dict, same_layout)
         return state_dict["extra"], state
 
-    def export_hf(self, out_dir: str | Path, replace: bool) -> Path:
+    def export_hf(self, out_dir: str | Path, replace: bool | Callable[[Path], object]) -> Path:
         """The gathered HF weights; under `value_norm` the statistics are folded into the head (raw values)."""
         state = self.hf_state_dict()
         skeleton = export_skeleton(ModelConfig(), self.hf_config)
