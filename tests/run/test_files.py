@@ -427,6 +427,32 @@ def test_the_old_directory_is_put_back_when_the_new_one_cannot_be_renamed_in(tmp
     assert moved == []
 
 
+def test_an_output_taken_by_another_writer_during_the_swap_says_where_the_old_one_is(tmp_path, monkeypatch):
+    """Another writer fills OUT between the move aside and the rename in: the old one cannot be put back; the error
+    names where it is (it said nothing of it), and nothing is deleted."""
+    import ppo_critic.run.files as files
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("user data")
+    make_way = files._make_way
+
+    def and_another_writer(path, replace):
+        old = make_way(path, replace)
+        path.mkdir()
+        (path / "theirs.txt").write_text("another writer's")
+        return old
+
+    monkeypatch.setattr(files, "_make_way", and_another_writer)
+    with pytest.raises(FileExistsError) as info, new_directory(out, replace=lambda aside: None) as building:
+        (building / "config.json").write_text("{}")
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("out.old-")]
+    assert f"{out} was taken by another writer while this command ran; the previous {out} is at {aside}" in str(
+        info.value
+    )
+    assert (aside / "notes.txt").read_text() == "user data" and (out / "theirs.txt").is_file()
+
+
 def test_replace_true_deletes_the_old_directory_once_the_new_one_is_in_place(tmp_path):
     """The trainer's own `hf/`: the previous export goes, but only after the new one is whole and renamed in."""
     out = tmp_path / "hf"

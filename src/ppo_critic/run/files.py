@@ -97,7 +97,7 @@ def _appeared(path: Path) -> FileExistsError:
     return FileExistsError(
         errno.EEXIST,
         f"{path} appeared while this command ran (another writer?) and was kept; nothing was written: choose "
-        "another output, or pass --force to replace it",
+        "another output, or pass --force (a file is replaced, a directory moved aside)",
     )
 
 
@@ -146,7 +146,7 @@ def _swap_in(tmp: Path, path: Path, replace: bool | Callable[[Path], object]) ->
             os.rename(tmp, path)  # replaces an empty directory; fails on anything else
         except BaseException as err:
             if old is not None:
-                os.rename(old, path)
+                _put_back(old, path)
             if _taken(err, path):
                 raise _appeared(path) from err  # made while this one was written (else refused before)
             raise
@@ -155,6 +155,18 @@ def _swap_in(tmp: Path, path: Path, replace: bool | Callable[[Path], object]) ->
             replace(old)
     if old is not None and replace is True:
         _remove(old)
+
+
+def _put_back(old: Path, path: Path) -> None:
+    """Rename `old` (what `_make_way` moved) back to `path`; if another writer took `path` meanwhile, say where the
+    previous one is kept."""
+    try:
+        os.rename(old, path)
+    except OSError as err:
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{path} was taken by another writer while this command ran; the previous {path} is at {old}",
+        ) from err
 
 
 def _make_way(path: Path, replace: bool | Callable[[Path], object]) -> Path | None:
