@@ -29,7 +29,7 @@ from verl.workers.engine.base import BaseEngine, EngineRegistry
 from ppo_critic.backends.build import model_source
 from ppo_critic.backends.data_parallel.critic import MicroLoss, MicroResult
 from ppo_critic.config.critic import CriticConfig, ModelConfig
-from ppo_critic.config.env import OPTIONS_ENV, with_options
+from ppo_critic.config.env import OPTIONS_ENV, named_in_refusals, with_options
 from ppo_critic.config.verl import engine_section, to_mapping
 from ppo_critic.data.batch import MULTI_MODAL, Batch, to_device
 from ppo_critic.data.batching import check_token_budget, restore_order
@@ -139,11 +139,12 @@ class PPOCriticEngine(BaseEngine):
     def initialize(self) -> None:
         """Model, optimizer, LR schedule and critic (once; verl's `reset` calls this again)."""
         if self.worker is None:
-            check_packing(self.config, self.device)
             total = getattr(self.optimizer_config, "total_training_steps", None)
             seed = getattr(self.engine_config, "seed", 0) or 0
             total = total if total and total > 0 else None
-            self.worker = CriticWorker(self.config, total_steps=total, seed=seed, layout=self.layout)
+            with named_in_refusals():  # a refusal of an option PPO_CRITIC_OPTIONS set names the variable
+                check_packing(self.config, self.device)
+                self.worker = CriticWorker(self.config, total_steps=total, seed=seed, layout=self.layout)
 
     @property
     def is_param_offload_enabled(self) -> bool:

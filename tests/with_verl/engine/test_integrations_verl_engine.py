@@ -209,6 +209,14 @@ def test_a_model_that_cannot_pack_is_refused_in_verls_keys(single_process, model
     assert not worker.engine.worker.critic.use_remove_padding
 
 
+def test_a_refusal_of_an_option_ppo_critic_options_set_names_the_variable(single_process, model_dir, monkeypatch):
+    """Issue 52: a refusal from building the engine's critic, of an option that came from PPO_CRITIC_OPTIONS (here an
+    attention that cannot run verl's packed rows), named neither the variable nor where the option came from."""
+    monkeypatch.setenv(OPTIONS_ENV, "model.attn_implementation=eager")
+    with pytest.raises(ValueError, match=r"^PPO_CRITIC_OPTIONS='model.attn_implementation=eager': critic.model.use_"):
+        training_worker(model_dir, **{"model.use_remove_padding": True})
+
+
 def test_ulysses_with_a_model_that_cannot_pack_is_refused_in_verls_keys(model_dir):
     config = CriticConfig.from_dict(
         {"ulysses_sequence_parallel_size": 2, "model": {"path": str(model_dir), "override_config": SLIDING}}
