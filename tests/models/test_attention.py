@@ -181,36 +181,35 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 @pytest.mark.parametrize(
-    ("build", "name", "device", "dtype", "reason"),
+    ("build", "name", "device", "reason"),
     [
-        (tiny, None, CPU, torch.float32, None),
-        (tiny, "flash_attention_2", CUDA, torch.float32, None),  # transformers' own varlen path decides
-        (tiny, "eager", CPU, torch.float32, "cannot run packed rows"),
-        (tiny, "sdpa", CPU, torch.float32, "cannot run packed rows"),
-        (lambda: nn.Linear(2, 1), None, CPU, torch.float32, "no transformers model inside"),
-        (NoKwargsWrapper, None, CPU, torch.float32, "takes no **kwargs"),
-        (lambda: tiny("mistral"), None, CPU, torch.float32, "sliding-window"),
-        (tiny, None, CUDA, torch.float32, None),  # the kernels take half dtypes, bucketed sdpa the others
+        (tiny, None, CPU, None),
+        (tiny, "flash_attention_2", CUDA, None),  # transformers' own varlen path decides
+        (tiny, "eager", CPU, "cannot run packed rows"),
+        (tiny, "sdpa", CPU, "cannot run packed rows"),
+        (lambda: nn.Linear(2, 1), None, CPU, "no transformers model inside"),
+        (NoKwargsWrapper, None, CPU, "takes no **kwargs"),
+        (lambda: tiny("mistral"), None, CPU, "sliding-window"),
+        (tiny, None, CUDA, None),  # every compute dtype: the kernels take the half ones, bucketed sdpa the others
     ],
 )
-def test_packed_blocker_names_what_stops_packing(build, name, device, dtype, reason):
-    blocker = packed_blocker(build(), name, device, dtype)
+def test_packed_blocker_names_what_stops_packing(build, name, device, reason):
+    blocker = packed_blocker(build(), name, device)
     assert blocker is None if reason is None else reason in blocker
 
 
 def test_packed_blocker_on_cuda_needs_a_varlen_kernel(monkeypatch):
     attention.register()
     monkeypatch.setitem(attention.KERNELS, "cuda", object())
-    assert packed_blocker(tiny(), None, CUDA, torch.bfloat16) is None
-    assert packed_blocker(tiny(), None, CUDA, torch.float32) is None
+    assert packed_blocker(tiny(), None, CUDA) is None
     monkeypatch.delitem(attention.KERNELS, "cuda")
-    assert "neither flash-attn nor" in packed_blocker(tiny(), None, CUDA, torch.bfloat16)
+    assert "neither flash-attn nor" in packed_blocker(tiny(), None, CUDA)
 
 
 def test_packed_blocker_needs_a_model_that_passes_kwargs_to_its_attention(monkeypatch):
     model = tiny()
     monkeypatch.setattr(type(model), "_supports_attention_backend", False)
-    assert "does not pass keyword arguments" in packed_blocker(model, None, CPU, torch.float32)
+    assert "does not pass keyword arguments" in packed_blocker(model, None, CPU)
 
 
 # The CUDA kernel branch of the varlen attention, run on the CPU through stand-ins of the CUDA kernels that enforce

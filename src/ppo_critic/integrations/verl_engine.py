@@ -37,7 +37,7 @@ from ppo_critic.data.packing import valid_positions
 from ppo_critic.models.attention import packed_blocker
 from ppo_critic.models.hf import build_value_model, hf_config_for
 from ppo_critic.parallel.layout import layout_of
-from ppo_critic.parallel.mesh import compute_dtype, select_device
+from ppo_critic.parallel.mesh import select_device
 from ppo_critic.parallel.offload import PhaseOffload
 from ppo_critic.run.checkpoint import delete_checkpoint, latest_checkpoint
 from ppo_critic.worker import CriticWorker, worker_config
@@ -94,8 +94,7 @@ def check_packing(config: CriticConfig, device: torch.device) -> None:
     sp, packing = config.ulysses_sequence_parallel_size, config.model.use_remove_padding
     if packing is not True and sp == 1:
         return
-    dtype = compute_dtype(config.torch_dtype_name, device)
-    blocker = packed_blocker(model_skeleton(config.model), config.model.attn_implementation, device, dtype)
+    blocker = packed_blocker(model_skeleton(config.model), config.model.attn_implementation, device)
     if blocker is None:
         return
     if sp > 1:

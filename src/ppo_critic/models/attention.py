@@ -328,10 +328,10 @@ def use_packed_attention(model: nn.Module, name: str | None = None) -> str:
     return name
 
 
-def packed_blocker(model: nn.Module, name: str | None, device: torch.device, dtype: torch.dtype) -> str | None:
+def packed_blocker(model: nn.Module, name: str | None, device: torch.device) -> str | None:
     """Why `model` cannot run packed rows with attention `name` (None: ours) on `device`, or None when it can: what
-    `use_remove_padding=auto` checks before it packs. Every compute `dtype` can (the kernels take the half ones,
-    `bucketed_sdpa` the others); the argument stays for the callers."""
+    `use_remove_padding=auto` checks before it packs. Every compute dtype can (the kernels take the half ones,
+    `bucketed_sdpa` the others)."""
     try:
         target = _switch_target(model, name or VARLEN)
     except ValueError as e:

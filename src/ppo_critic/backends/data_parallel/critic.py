@@ -170,20 +170,25 @@ class DataParallelPPOCritic(PPOCriticBase):
 
     def _packs(self) -> bool:
         """`model.use_remove_padding` resolved: auto packs unless the model cannot run packed rows (attention that
-        cannot be switched, eager, sliding windows, float32 compute on CUDA); always under Ulysses, which needs them."""
+        cannot be switched, eager, sliding windows, CUDA without a varlen kernel); always under Ulysses, which needs
+        them."""
         setting = self.config.model.use_remove_padding
         if setting is False and self.sp_size == 1:
             return False
         name = self.config.model.attn_implementation
-        blocker = packed_blocker(self.critic_module, name, self.device, self.compute_dtype)
+        blocker = packed_blocker(self.critic_module, name, self.device)
         if setting == "auto" and self.sp_size == 1:
             if blocker:
                 log.debug("model.use_remove_padding=auto: padded batches, since %s", blocker)
             return blocker is None
         if blocker:
-            why = "ulysses_sequence_parallel_size > 1 needs packed rows" if self.sp_size > 1 else "it is set to true"
+            if self.sp_size > 1:
+                raise ValueError(
+                    f"ulysses_sequence_parallel_size={self.sp_size} needs packed rows, which this model cannot run: "
+                    f"{blocker}; fix that, or set ulysses_sequence_parallel_size=1"
+                )
             raise ValueError(
-                f"model.use_remove_padding: cannot run packed rows ({why}): {blocker}; fix that, or set "
+                f"model.use_remove_padding: cannot run packed rows (it is set to true): {blocker}; fix that, or set "
                 "model.use_remove_padding=auto (packs where it can)"
             )
         return True
