@@ -293,8 +293,16 @@ class Soak:
         self.drawn: collections.Counter = collections.Counter()
         self.violations: list[str] = []
         self.seen: set[str] = set()  # temporaries already reported
+        self.decks: dict[str, list] = {}  # per choice, what `dealt` has not dealt yet
         self.lines = {"replay": replay_line(root, self.rng), **objective_lines(root, self.rng)}
         self.lines |= {f"drift-{mode}": drift_line(root, self.rng, mode) for mode in ("ramp", "step")}
+
+    def dealt(self, name: str, options: list) -> object:
+        """The next of `options` from a shuffled deck of them kept under `name`: every option comes once in each
+        round, so a rare kind still meets all of its actions (a plain draw left one out of 21 objectives commands)."""
+        if not self.decks.get(name):
+            self.decks[name] = self.rng.sample(options, len(options))
+        return self.decks[name].pop()
 
     def train_argv(self, *extra: str) -> list[str]:
         return train_of(self.run, self.steps, *extra)
@@ -457,7 +465,7 @@ class Soak:
     def objectives(self) -> None:
         """bce and huber: their runs, exports, and `values` of both told what the outputs mean or how to run."""
         line = self.lines[self.rng.choice(["bce", "huber"])]
-        action = self.rng.choice(["train", "export", "meaning", "forward", "unnamed", "bce-scale"])
+        action = self.dealt("objectives", ["train", "export", "meaning", "forward", "unnamed", "bce-scale"])
         if action == "train":
             self.line_kind("objectives", line)
         elif action == "export":
@@ -524,7 +532,7 @@ class Soak:
             (copy / "config.json").write_text(json.dumps(config), encoding="utf-8")
         if not copy.exists():
             return  # no export to copy: export_of said why
-        given = self.rng.random() < 0.5
+        given = self.dealt("unnamed", [False, True])
         out = self.fresh_out()
         argv = self.values_argv(copy, out, *[f"critic.vf_loss_type={line.objective}"] * given)
         result = self.command(f"objectives:unnamed{'+given' * given}", argv)
