@@ -556,6 +556,55 @@ def test_the_step_api_gives_the_step_of_update_critic(tiny_qwen2):
         assert torch.equal(a, b)
 
 
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _one_step(critic, batch, loss_is_finite, halves: bool) -> torch.Tensor:
+    """Gradients of one mini-batch, then `optimizer_step`, or its two halves with the norm read in between."""
+    groups = critic.micro_batches(batch, False, 4, 0)
+    critic.forward_backward(batch, groups, lambda micro, rows, values: values[:, :-1].square().mean())
+    if not halves:
+        return critic.optimizer_step(loss_is_finite)
+    norm = critic.clip_gradients(loss_is_finite)
+    critic.step_or_skip(bool(torch.isfinite(norm)))
+    return norm
+
+
+@pytest.mark.parametrize(
+    "loss_is_finite",
+    [True, torch.tensor(True), False, torch.tensor(False)],
+    ids=["taken", "taken-device-bool", "skipped", "skipped-device-bool"],
+)
+def test_clip_gradients_then_step_or_skip_is_optimizer_step(tiny_qwen2, loss_is_finite):
+    """`optimizer_step`'s two halves, as an engine that reads the decision with its metrics runs them: the same
+    norm, parameters, optimizer state and moving average, bit for bit, for a step taken and one skipped for its loss
+    (a host bool or a device bool), after a step that moved AdamW's state and the average; gradients zeroed."""
+    from ppo_critic.data.batch import Batch
+
+    model, batch = tiny_qwen2(), Batch.from_any(make_batch(8, 6, 5, seed=7))
+    critics, norms, moved = [], [], []
+    for halves in (False, True):
+        copied = copy.deepcopy(model)
+        critic = make_critic(copied, torch.optim.AdamW(copied.parameters(), lr=1e-3), grad_clip=0.5, ema_decay=0.5)
+        critic.set_training(True)
+        _one_step(critic, batch, True, halves)
+        before = state_hash(copied, critic.critic_optimizer)
+        norms.append(_one_step(critic, batch, loss_is_finite, halves))
+        moved.append(state_hash(copied, critic.critic_optimizer) != before)
+        critics.append(critic)
+    (whole, halves), finite = critics, bool(loss_is_finite)
+    assert _bits(norms[0]) == _bits(norms[1]) and bool(torch.isfinite(norms[0])) == finite
+    assert moved == [finite, finite]
+    assert state_hash(whole.critic_module, whole.critic_optimizer) == state_hash(
+        halves.critic_module, halves.critic_optimizer
+    )
+    assert {k: _bits(v) for k, v in whole.ema.state_dict().items()} == {
+        k: _bits(v) for k, v in halves.ema.state_dict().items()
+    }
+    assert all(p.grad is None for c in critics for p in c.critic_module.parameters())
+
+
 def test_an_optimizer_over_another_models_parameters_is_refused():
     """Issue 43 family 10: it trained nothing while every metric looked normal. Refused at the first update, before
     any state changes (a critic that only computes values may hold any optimizer)."""

@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import conftest  # its helpers are read on use: the verl suite, which imports the counter, has a conftest of its own
 from ppo_critic import DataParallelPPOCritic, build_value_model
+from ppo_critic.critics.ema import ParameterEMA
 from ppo_critic.data.batch import Batch
 from ppo_critic.data.packing import pack
 from ppo_critic.models import attention
@@ -75,8 +76,9 @@ class HostSyncs(TorchDispatchMode):
         return sum(n for site, n in self.where.items() if " via " not in site)
 
     def record(self, what: str, depth: int = 1) -> None:
-        """Count one sync at the innermost library frame (the test's own if none), naming the innermost frame of
-        transformers or verl on the way (`via transformers modeling_utils.py:123`)."""
+        """Count one sync at the innermost library frame (the test's own if none), with its function, naming the
+        innermost frame of transformers or verl on the way: `tolist at batch.py:12 in lengths via transformers
+        modeling_utils.py:123`."""
         if self.paused:
             return
         frame, via = sys._getframe(depth), ""
@@ -85,7 +87,8 @@ class HostSyncs(TorchDispatchMode):
             if not via and library:
                 via = f" via {library} {Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
             frame = frame.f_back
-        self.where[f"{what} at {Path(frame.f_code.co_filename).name}:{frame.f_lineno}{via}"] += 1
+        code = frame.f_code
+        self.where[f"{what} at {Path(code.co_filename).name}:{frame.f_lineno} in {code.co_name}{via}"] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -256,3 +259,29 @@ def test_the_counter_sees_what_syncs_on_cuda(monkeypatch):
         pack(x.long().view(2, 3), torch.ones(2, 3, dtype=torch.long), x.long().view(2, 3))  # reads the lengths
         Batch({"input_ids": torch.zeros(4, 2), "attention_mask": torch.ones(4, 2)}).lengths()
     assert counter.total == 7, dict(counter.where)
+
+
+@pytest.mark.parametrize("ema", [False, True], ids=["plain", "moving-average"])
+def test_the_step_reads_once_and_its_halves_read_nothing(monkeypatch, one_thread, ema):
+    """`optimizer_step` reads one thing, the decision to step; its halves read nothing: `clip_gradients` (the
+    loss's finiteness a device bool) and `step_or_skip` (the decision a host bool), so an engine can read the norm
+    with its metrics, once (verl ≥ 0.9's `train_batch`)."""
+    counts = {}
+    for halves in (False, True):
+        critic = tiny_critic(ema_decay=0.5 if ema else 0.0)
+        batch = Batch.from_any(conftest.make_batch(8, 6, 5))
+        critic.forward_backward(batch, [list(range(8))], lambda micro, rows, values: values.square().mean())
+        finite = torch.ones((), dtype=torch.bool)
+        with counting(monkeypatch) as counter, monkeypatch.context() as patch:
+            # the average's update counter is a host tensor (module docstring): its read waits for nothing on CUDA
+            patch.setattr(ParameterEMA, "current_decay", _uncounted(counter, ParameterEMA.current_decay))
+            if halves:
+                norm = critic.clip_gradients(finite)
+                with counter.pause():  # the caller's read, with its metrics
+                    step = bool(torch.isfinite(norm))
+                critic.step_or_skip(step)
+            else:
+                critic.optimizer_step(finite)
+        counts[halves] = counter
+    assert (counts[False].total, counts[True].total) == (1, 0), {k: dict(c.where) for k, c in counts.items()}
+    assert all(" in optimizer_step" in site for site in counts[False].where)

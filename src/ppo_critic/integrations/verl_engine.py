@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from torch import Tensor
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.utils.py_functional import append_to_dict
+from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
 from verl.workers.engine.base import BaseEngine, EngineRegistry
 
 from ppo_critic.backends.build import model_source
@@ -53,6 +55,7 @@ VERL_DECIDES = {key: f"set critic.{key} in verl's critic config" for key in (*VE
 VPRED_MEAN = "critic/vpred_mean"
 TOKEN_MEANS = ("critic/vf_clipfrac", VPRED_MEAN)
 LOSSES = "loss"  # the micro-batches' losses, read beside the metrics
+GRAD_NORM = "grad_norm"  # the step's pre-clip norm, read with the losses and metrics (`train_batch`)
 TARGETS = ("returns", "response_mask", "values")  # what `value_norm` maps (the mask says which returns count)
 # the keys that set the engine's token budgets in verl 0.9's trainers (verl's yaml lacks the first: hydra needs `+`)
 INFER_BUDGET = "+critic.ppo_infer_max_token_len_per_gpu=N (verl's compute-values budget)"
@@ -196,25 +199,58 @@ class PPOCriticEngine(BaseEngine):
 
     def optimizer_step(self) -> Tensor:
         """Clip, then step — or skip when the gradient norm or a micro-batch loss was not finite (NaN). The pre-clip
-        norm comes back as a device scalar, which verl's worker reads: the decision to step is the one host sync."""
+        norm comes back as a device scalar, which verl's worker reads. For verl's base `train_batch` flow, where the
+        decision to step is a host sync of its own; the engine's `train_batch` reads it with the metrics."""
+        return self._critic.optimizer_step(self._loss_is_finite())
+
+    def _loss_is_finite(self) -> Tensor:
+        """Whether every micro-batch loss of this step was finite on every DP rank: a device bool, not read here."""
         local = (
             torch.stack(self._finite).all() if self._finite else torch.ones((), dtype=torch.bool, device=self.device)
         )
-        return self._critic.optimizer_step(self._critic.all_reduce(local.double(), "min") == 1)
+        return self._critic.all_reduce(local.double(), "min") == 1
 
     def lr_scheduler_step(self) -> float:
         self.worker.scheduler.step()
         return self._critic.learning_rate()
 
+    def train_batch(self, data: TensorDict, loss_function: Callable) -> dict[str, Any]:
+        """verl's `BaseEngine.train_batch` (zero the gradients, forward and backward the mini-batch, step; the same
+        outputs, `grad_norm` among the metrics of a rank that reports) with one read of device data: the decision to
+        step, the gradient norm and the losses with all metrics, together, at the step (DESIGN §3 "Host syncs")."""
+        maybe_fix_3d_position_ids(data)
+        self.optimizer_zero_grad()
+        outputs, report = self._forward_backward(data, loss_function, train=True)
+        parts = self._report_parts(report, train=True)  # its collective first, as in verl's base flow
+        grad_norm = self._critic.clip_gradients(self._loss_is_finite())
+        read = read_once({GRAD_NORM: grad_norm.double().reshape(1)} | parts)
+        (norm,) = read.pop(GRAD_NORM)
+        self._critic.step_or_skip(math.isfinite(norm))
+        losses, metrics = report.collected(read)
+        if self.is_mp_src_rank_with_outputs():
+            metrics[GRAD_NORM] = norm  # a float, as verl's own engines return it (its worker takes either)
+        return outputs | {"loss": losses, "metrics": metrics}
+
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None, forward_only: bool = False):
         """Micro-batches of one mini-batch through the critic: per-token `values` (nested, like verl's own value
         engine), verl's `loss_function` over the global denominators, and (unless `forward_only`) the backward. The
-        loss and metrics are the mini-batch's, whatever the micro-batches, DP or SP (`MiniBatchReport`).
+        loss and metrics are the mini-batch's, whatever the micro-batches, DP or SP (`MiniBatchReport`), read to the
+        host here, in one read (the engine's own `train_batch` reads them at the step instead)."""
+        train = not forward_only
+        outputs, report = self._forward_backward(data, loss_function, train)
+        losses, metrics = report.collected(read_once(self._report_parts(report, train)))
+        return outputs | {"loss": losses, "metrics": metrics}
+
+    def _forward_backward(
+        self, data: TensorDict, loss_function: Callable | None, train: bool
+    ) -> tuple[dict[str, Any], MiniBatchReport]:
+        """`forward_backward_batch` with its loss and metrics left on the device, in the report.
 
         verl's worker hands the mini-batch on the host. Its lengths are read once, as it arrives, and size every
         micro-batch on the host (DESIGN §3 "Host syncs"); each micro-batch of verl's data moves to the device without
-        blocking. The mini-batch's own reads: the input check, the denominators and the losses with the metrics."""
-        critic, train = self._critic, not forward_only
+        blocking. The mini-batch's own reads here are of host data: the input check and the denominators (under DP,
+        the denominators and the micro-batch count are collectives' results)."""
+        critic = self._critic
         batch = dense_inputs(data)
         critic.check_token_ids(batch)  # on the host, before any work
         batch = batch.to(self.device, non_blocking=True)
@@ -230,8 +266,7 @@ class PPOCriticEngine(BaseEngine):
         values = map_flat(values_in_order(results, batch), self._raw_values)
         if not train:  # values served (verl's infer_batch): PopArt's first move is behind them
             critic.value_norm.values_served()
-        losses, metrics = self._read(report, train)
-        return {"model_output": {"values": values}, "loss": losses, "metrics": metrics}
+        return {"model_output": {"values": values}}, report
 
     def _raw_values(self, outputs: Tensor) -> Tensor:
         """The head's outputs as raw values: the objective's values (mse's, the outputs: verl's own value_loss trains
@@ -274,14 +309,14 @@ class PPOCriticEngine(BaseEngine):
 
         return verl_loss
 
-    def _read(self, report: MiniBatchReport, train: bool) -> tuple[list[float], dict[str, Any]]:
-        """verl's losses and the mini-batch's metrics as verl's worker collects them, in one host read; under
+    def _report_parts(self, report: MiniBatchReport, train: bool) -> dict[str, Tensor]:
+        """verl's losses and the mini-batch's metrics, as device tensors to read (`MiniBatchReport.parts`); under
         `value_norm` the predictions' mean in raw space (as ppo-critic's own critic reports it) and, in training, the
         return statistics."""
         norm = self._critic.value_norm
         extras = {"critic/value_norm_mean": norm.mean, "critic/value_norm_std": norm.std}
         raw = {VPRED_MEAN: norm.denormalise}
-        return report.read(self._critic.all_reduce, self.layout.dp, raw, extras if norm.enabled and train else {})
+        return report.parts(self._critic.all_reduce, self.layout.dp, raw, extras if norm.enabled and train else {})
 
     def _assign_denominators(self, data: TensorDict) -> None:
         """verl's loss normalises by `batch_num_tokens` (this mini-batch's loss-mask tokens on every DP rank) and
@@ -400,7 +435,8 @@ class MiniBatchReport:
     micro-batch and verl's worker averages those unweighted, which would change with the micro-batches and DP: here a
     summed `Metric` (the loss over the global denominators) is summed over the micro-batches and read as verl reads
     it, and a mean over response tokens (`TOKEN_MEANS`) is weighted by each micro-batch's tokens; any other metric
-    passes through as verl gave it. Kept on the device (verl's numbers, host floats, beside it) until `read`."""
+    passes through as verl gave it. Kept on the device (verl's numbers, host floats, beside it) until read
+    (`parts`, `read_once`, `collected`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -425,20 +461,22 @@ class MiniBatchReport:
             else:
                 append_to_dict(self._passed, {key: value})
 
-    def read(
+    def parts(
         self,
         reduce: Callable[[Tensor], Tensor],
         dp_size: int,
         raw: dict[str, Callable[[Tensor], Tensor]],
         extras: dict[str, Tensor],
-    ) -> tuple[list[float], dict[str, Any]]:
-        """The micro-batches' losses, for verl's worker (which sums them and averages over DP), and each metric of the
-        mini-batch on every DP rank, with `extras` (device scalars) beside them: one host read."""
+    ) -> dict[str, Tensor]:
+        """What to read, as float64 device tensors: the micro-batches' losses, for verl's worker (which sums them
+        and averages over DP), and each metric of the mini-batch on every DP rank, with `extras` (device scalars)
+        beside them. `read_once` reads them (with more, in training), `collected` makes verl's numbers of that."""
+        return self._device_parts(reduce, dp_size, raw) | {k: v.double().reshape(1) for k, v in extras.items()}
+
+    def collected(self, read: dict[str, list[float]]) -> tuple[list[float], dict[str, Any]]:
+        """The losses and the metrics as verl's worker collects them, from what `read_once` read of `parts`."""
         metrics = dict(self._passed)
-        parts = self._device_parts(reduce, dp_size, raw) | {k: v.double().reshape(1) for k, v in extras.items()}
-        if not parts:
-            return [], metrics
-        read = _unflattened(torch.cat(list(parts.values())).tolist(), parts)
+        read = dict(read)
         losses = read.pop(LOSSES, [])
         for key, values in read.items():
             summed = self._summed.get(key)
@@ -470,9 +508,11 @@ def _unchanged(x: Tensor) -> Tensor:
     return x
 
 
-def _unflattened(values: list[float], parts: dict[str, Tensor]) -> dict[str, list[float]]:
-    """`values`, read from the concatenated `parts`, cut back into one list per part."""
-    out, start = {}, 0
+def read_once(parts: dict[str, Tensor]) -> dict[str, list[float]]:
+    """1-D float64 device `parts` read to the host in one read (none when there are none), one list per part."""
+    if not parts:
+        return {}
+    values, out, start = torch.cat(list(parts.values())).tolist(), {}, 0
     for key, part in parts.items():
         out[key], start = values[start : start + len(part)], start + len(part)
     return out

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from engine_helpers import (
+    MEASURED,
     SGD,
     assert_metrics_equal,
     critic_config,
@@ -24,6 +25,7 @@ from engine_helpers import (
     training_worker,
 )
 from verl.utils.metric import reduce_metrics
+from verl.workers.engine.base import BaseEngine
 from verl.workers.utils.losses import value_loss
 from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -32,7 +34,7 @@ from multimodal import add_images, tiny_qwen2_vl
 from ppo_critic import DataParallelPPOCritic, build_value_model
 from ppo_critic.config.critic import CriticConfig
 from ppo_critic.config.env import OPTIONS_ENV
-from ppo_critic.integrations.verl_engine import check_packing, dense_inputs, engine_critic_config
+from ppo_critic.integrations.verl_engine import PPOCriticEngine, check_packing, dense_inputs, engine_critic_config
 from ppo_critic.models import attention
 from ppo_critic.run.checkpoint import export_hf
 from verl_shared import MODES, hydra_value, params, rel_change, rollout, save_tiny_critic
@@ -276,6 +278,35 @@ def test_a_non_finite_step_is_skipped(single_process, model_dir):
     assert not math.isfinite(metrics["grad_norm"][0])
     assert all(torch.equal(v, before[k]) for k, v in engine_params(worker).items())
     assert math.isfinite(train(worker, rollout(4, seed=5), mini_batch_size=4)["grad_norm"][0])
+
+
+@pytest.mark.parametrize("options", ["", "value_norm=running"], ids=["plain", "value-norm"])
+def test_train_batch_is_verls_base_flow_bit_for_bit(single_process, model_dir, monkeypatch, options):
+    """The engine's `train_batch` reads the decision to step, the norm and the metrics at once; verl's base
+    `train_batch` (`forward_backward_batch`, then `optimizer_step`) reads them apart. On the same weights and rows
+    both give the same parameters and every metric verl's worker reports, bit for bit: two epochs of two
+    mini-batches of four micro-batches, then (without `value_norm`) a step skipped for its infinite loss."""
+    monkeypatch.setenv(OPTIONS_ENV, options)
+    calls = [(rollout(8, seed=6), 4, 2)]
+    if not options:
+        overflow = rollout(4, seed=4)
+        overflow.batch["returns"] = torch.full_like(overflow.batch["returns"], 3e38)
+        calls.append((overflow, 4, 1))
+
+    def trained() -> tuple[list[dict], dict]:
+        worker = training_worker(model_dir, **SGD, **{"+fsdp.micro_batch_size_per_gpu": 1})
+        reported = [train(worker, data, mini_batch_size=size, epochs=epochs) for data, size, epochs in calls]
+        exact = [{k: repr(v) for k, v in m.items() if not k.startswith(MEASURED)} for m in reported]  # NaN == NaN
+        return exact, engine_params(worker)
+
+    ours = trained()
+    monkeypatch.setattr(PPOCriticEngine, "train_batch", BaseEngine.train_batch)
+    base = trained()
+    assert ours[0] == base[0]
+    assert {"grad_norm", "loss", "critic/vf_loss"} <= set(ours[0][0])
+    assert all(torch.equal(v, base[1][k]) for k, v in ours[1].items())
+    if not options:
+        assert ours[0][1]["grad_norm"] == "[nan]"  # the skip is there, and the same
 
 
 def test_keeps_the_newest_checkpoints_it_wrote(single_process, model_dir, tmp_path):

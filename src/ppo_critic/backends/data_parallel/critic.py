@@ -277,19 +277,31 @@ class DataParallelPPOCritic(PPOCriticBase):
         update the moving average, or skip when the norm or the loss (`loss_is_finite`, agreed over ranks, a bool
         or a device bool; e.g. saturated clipping: finite gradient, infinite loss) is not finite. Returns the
         pre-clip norm (NaN when skipped for the loss); the gradients are zeroed either way. One host sync: the
-        decision to step."""
+        decision to step. `clip_gradients` then `step_or_skip`, for a caller that reads the decision with more."""
+        grad_norm = self.clip_gradients(loss_is_finite, timer)
+        with (timer or _untimed)("optimizer"):
+            self.step_or_skip(bool(torch.isfinite(grad_norm)))
+        return grad_norm
+
+    def clip_gradients(self, loss_is_finite: bool | Tensor, timer: PhaseTimer | None = None) -> Tensor:
+        """The first half of `optimizer_step`, without a host read: average the accumulated gradients (strategy none
+        under DP) and clip them. Returns the pre-clip norm, NaN when `loss_is_finite` (a bool, or a device bool
+        agreed over ranks) is false: the step is to be taken exactly when the result is finite (`step_or_skip`)."""
         timed = timer or _untimed
         with timed("collective"):
             average_plain_gradients(self.critic_module, self.layout.data_ranks)
         with timed("optimizer"):
             norm = clip_grad_norm(self.critic_module, self.config.grad_clip, self.critic_optimizer)  # param_dtype: fp32
-            grad_norm = nan_unless(loss_is_finite, norm)
-            if torch.isfinite(grad_norm):
-                self.critic_optimizer.step()
-                if self.ema is not None:
-                    self.ema.update()
-            self.critic_optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+            return nan_unless(loss_is_finite, norm)
+
+    def step_or_skip(self, step: bool) -> None:
+        """The second half of `optimizer_step`, given the decision on the host (the norm `clip_gradients` returned is
+        finite): step and update the moving average, or skip; the gradients are zeroed either way."""
+        if step:
+            self.critic_optimizer.step()
+            if self.ema is not None:
+                self.ema.update()
+        self.critic_optimizer.zero_grad(set_to_none=True)
 
     def _forward_micro_batch(self, micro: Batch) -> Tensor:
         """Head outputs [b, R(, outputs)] in float32 at the position before each response token (the objective
