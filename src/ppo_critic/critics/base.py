@@ -165,7 +165,8 @@ class PPOCriticBase:
     `_use_objective` (the loss, and how head outputs become values), and implements `_values` (the head's outputs
     from the forward of all micro-batches), `_train_mini_batch`, `set_training` and `learning_rate`. The public
     step-level calls (`check_token_ids`, `micro_batches`, `all_reduce`, `set_training`, `learning_rate`, and the
-    data-parallel critic's `forward_backward` / `optimizer_step`) are what an engine driving its own loop uses
+    data-parallel critic's `forward_backward` / `optimizer_step`, or its halves `clip_gradients` / `step_or_skip`)
+    are what an engine driving its own loop uses
     (`ppo_critic.integrations.verl_engine`). After `compute_values`, `last_compute_metrics` holds its
     `perf/compute_values_*` metrics (this rank's).
     """
