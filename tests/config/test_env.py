@@ -52,3 +52,15 @@ def nn_without_bias():
             return None, None, self.v_head(torch.zeros(*input_ids.shape, 4))
 
     return build_value_model(Model())
+
+
+def test_only_a_refusal_that_names_a_key_the_variable_set_names_the_variable(monkeypatch):
+    """A key counts as named where it stands as a word (`critic.optim.lr=2`), not inside another (`already`)."""
+    from ppo_critic.config.env import named_in_refusals
+
+    monkeypatch.setenv(OPTIONS_ENV, "optim.lr=2 ema_decay=0.5")
+    for text, named in [("critic.optim.lr=2 is too high", True), ("critic.ema_decay > 0 needs DDP", True),
+                        ("the rate is already set", False), ("ema_decays=3 is unknown", False)]:  # fmt: skip
+        with pytest.raises(ValueError) as caught, named_in_refusals():
+            raise ValueError(text)
+        assert str(caught.value).startswith(f"{OPTIONS_ENV}='optim.lr=2 ema_decay=0.5': ") == named, text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 from collections.abc import Iterator
 
@@ -53,7 +54,8 @@ def named_in_refusals() -> Iterator[None]:
         yield
     except (ValueError, TypeError) as err:
         text = str(err)
-        if OPTIONS_ENV in text or not any(key in text for key in _option_keys()):
+        named = (re.search(rf"(?<!\w){re.escape(key)}(?!\w)", text) for key in _option_keys())
+        if OPTIONS_ENV in text or not any(named):
             raise
         raise type(err)(f"{OPTIONS_ENV}={os.environ[OPTIONS_ENV]!r}: {text}") from err
 
