@@ -261,7 +261,6 @@ def _parse_row(row: Any, vocab_size: int | None, text: Tokenizer, max_length: in
     budget = None if max_length is None else _Budget(max_length, max_length - len(prompt_ids))
     response_ids = _side(row, response_ids_field, response_field, vocab_size, text, budget)
     rewards = _scalar_reward(row, "score", len(response_ids)) if verl else _rewards(row, len(response_ids))
-    _check_float32(rewards, "score" if verl else next(f for f in REWARD_FIELDS if row.get(f) is not None))
     return Rollout(prompt_ids, response_ids, rewards)
 
 
@@ -272,7 +271,7 @@ def _is_verl_dump(row: dict[str, Any]) -> bool:
     return any(field in row for field in _VERL_FIELDS) and not any(field in row for field in ours)
 
 
-def _check_float32(rewards: list[float], field: str) -> None:
+def _check_float32(rewards: list[float], field: str) -> list[float]:
     """Rewards, and the returns they add up to (at most the sum of their sizes, γ ≤ 1), must fit float32, the dtype
     the critic computes them in: beyond it they become inf."""
     largest = max(abs(r) for r in rewards)
@@ -281,11 +280,13 @@ def _check_float32(rewards: list[float], field: str) -> None:
             f"field {field!r} holds {largest:g}, beyond float32's range (±{FLOAT32_MAX:.2e}) in which the critic "
             "computes; scale the rewards down"
         )
-    if math.fsum(abs(r) for r in rewards) > FLOAT32_MAX:
+    total = math.fsum(abs(r) for r in rewards)
+    if total > FLOAT32_MAX:
         raise _RowError(
-            f"field {field!r}: the rewards add up to {math.fsum(abs(r) for r in rewards):g} in size, beyond "
+            f"field {field!r}: the rewards add up to {total:g} in size, beyond "
             f"float32's range (±{FLOAT32_MAX:.2e}), so the returns would be infinite; scale the rewards down"
         )
+    return rewards
 
 
 @dataclass(frozen=True)
@@ -385,7 +386,7 @@ def _scalar_reward(row: dict[str, Any], field: str, response_length: int) -> lis
     value = row.get(field)
     if not _is_finite_number(value):
         raise _RowError(f"field {field!r} {_REWARD_EXPECTED}, got {_short(value)}")
-    return [0.0] * (response_length - 1) + [float(value)]
+    return _check_float32([0.0] * (response_length - 1) + [float(value)], field)
 
 
 def _reward_list(value: Any, response_length: int) -> list[float]:
@@ -401,7 +402,7 @@ def _reward_list(value: Any, response_length: int) -> list[float]:
             f"field 'token_level_rewards' {_REWARDS_EXPECTED} (the response has {response_length} token(s)), "
             f"got {len(items)} value(s)"
         )
-    return [float(item) for item in items]
+    return _check_float32([float(item) for item in items], "token_level_rewards")
 
 
 def _as_list(value: Any) -> list[Any] | None:
