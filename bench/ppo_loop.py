@@ -47,7 +47,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ppo_critic.algos import compute_gae_advantage_return, explained_variance, masked_mean, masked_whiten
+from ppo_critic.algos import (
+    compute_gae_advantage_return,
+    explained_variance,
+    length_adaptive_lambda,
+    masked_mean,
+    masked_whiten,
+)
 from ppo_critic.cli import load_config
 from ppo_critic.config.train import resolve_model
 from ppo_critic.data.rows import rollout_batch
@@ -75,7 +81,7 @@ class ActorTask:
     held-out score that counts as learned."""
 
     overrides: tuple[str, ...]
-    alphabet: str  # the task option holding the alphabet's size, or "ordinary" (targets + fillers)
+    alphabet: str | int  # the task option holding the alphabet's size, "ordinary" (targets + fillers), or the size
     per_token: bool
     target: float
     actor_lr: float
@@ -83,15 +89,43 @@ class ActorTask:
     the methods reach the target within `iterations`"""
     iterations: int
     gamma: float = 1.0
+    lam: float = 0.95
+    """the actor's GAE λ"""
+    lam_alpha: float | None = None
+    """VAPO's length-adaptive actor λ = 1 − 1/(α·l) by each response's length l, in place of `lam`"""
+    base: str = ""
+    """the suite task it runs (default: its own name)"""
+    stop_at_target: bool = False
+    """end a run at its first evaluation at the target (the discriminating settings: their cost is the time to it)"""
+    loop_options: tuple[tuple[str, Any], ...] = ()
+    """other LoopConfig fields the setting sets (the probes' size on long responses)"""
 
 
+LONG_PROBES = (("probe_rows", 16), ("probe_samples", 16), ("probe_stride", 16))
 ACTOR_TASKS = {
     "counting": ActorTask(("task.name=counting",), "ordinary", False, target=0.8, actor_lr=1e-4, iterations=200),
     "dense": ActorTask(
         ("task.name=dense", "trainer.gamma=0.9"), "num_symbols", True, 0.5, actor_lr=1e-3, iterations=300, gamma=0.9
     ),
     "recall": ActorTask(("task.name=recall",), "num_symbols", False, target=0.9, actor_lr=1e-4, iterations=200),
-}
+    # the discriminating settings (issue 53): a fast actor, and long responses whose advantages bootstrap at λ < 1
+    "counting_fast": ActorTask(
+        ("task.name=counting", "task.min_response_len=8", "task.max_response_len=16"),
+        "ordinary", False, 0.8, actor_lr=1e-3, iterations=200, lam=1.0, base="counting", stop_at_target=True,
+    ),
+    "dense_fast": ActorTask(
+        ("task.name=dense", "trainer.gamma=0.9"), "num_symbols", True, 0.5, actor_lr=3e-3, iterations=200,
+        gamma=0.9, base="dense", stop_at_target=True,
+    ),
+    **{
+        f"counting_long{suffix}": ActorTask(
+            ("task.name=counting", "task.min_response_len=128", "task.max_response_len=144", "task.min_count=17"),
+            "ordinary", False, 0.8, actor_lr=1e-3, iterations=150, lam_alpha=alpha, base="counting",
+            stop_at_target=True, loop_options=LONG_PROBES,
+        )
+        for suffix, alpha in (("", None), ("_vapo", 0.05))
+    },
+}  # fmt: skip
 BEGIN, END = "<!-- ppo tables: bench/ppo_loop.py --report -->", "<!-- end of ppo tables -->"
 
 
@@ -111,6 +145,23 @@ class LoopConfig:
     actor_lr: float = 1e-3
     lam: float = 0.95
     """the actor's GAE λ (VC-PPO's decoupled actor λ); the critic's targets keep its own recipe's"""
+    lam_alpha: float | None = None
+    """VAPO's length-adaptive actor λ = 1 − 1/(α·l) by each response's length, in place of `lam`"""
+    critic_targets: str = "own"
+    """what a learned critic regresses on: "own" (its configuration's recipe: the built-in trainer) or "actor" (the
+    returns of the actor's GAE, what verl's trainer hands its critic)"""
+    critic_options: tuple[str, ...] = ()
+    """overrides of the critic's configuration (its levers), applied last"""
+    critic_mini_batches: int = 0
+    """the critic's mini-batches per batch (0: the actor's `mini_batches`, as verl's examples set them)"""
+    critic_warmup: int = 0
+    """iterations at the start whose rollouts train the critic while the actor stays (verl's
+    `trainer.critic_warmup`; with Monte-Carlo targets over them: value pretraining); their rollouts count"""
+    critic_init: str = "random"
+    """"random" (the critic's own initialisation) or "actor" (the actor's first weights under a new value head, as
+    a verl user starts a critic from the policy's checkpoint)"""
+    stop_at_target: bool = False
+    """end the run at its first evaluation at the target"""
     clip: float = 0.2
     clip_c: float = 3.0
     kl_coef: float = 0.0
@@ -120,6 +171,9 @@ class LoopConfig:
     probe_every: int = 20
     probe_rows: int = 32
     probe_samples: int = 64
+    probe_stride: int = 1
+    """the probes compare every `probe_stride`-th response position (long responses: Monte-Carlo values cost
+    continuations from every position compared)"""
 
 
 def _ablation() -> Any:
@@ -152,9 +206,17 @@ def build_actor(vocab_size: int, positions: int, seed: int) -> torch.nn.Module:
     return actor
 
 
+def actor_checkpoint(actor: torch.nn.Module, path: Path) -> Path:
+    """`path`: the actor saved as a transformers checkpoint (its weights and config), for a critic to start from."""
+    actor.save_pretrained(path)
+    return path
+
+
 def alphabet_size(task: Any, spec: ActorTask) -> int:
     """How many token ids from 0 a response may use."""
     c = task.config
+    if isinstance(spec.alphabet, int):
+        return spec.alphabet
     return c.num_targets + c.num_fillers if spec.alphabet == "ordinary" else getattr(c, spec.alphabet)
 
 
@@ -226,13 +288,15 @@ def discounted_from(rewards: Tensor, t: int, gamma: float) -> Tensor:
     return (tail * gamma ** torch.arange(tail.shape[1], dtype=tail.dtype)).sum(-1)
 
 
-def mc_values(actor, task, alphabet: int, batch: dict[str, Tensor], samples: int, gamma: float, seed: int) -> Tensor:
-    """[B, R] Monte-Carlo values of the actor at every response position: the mean discounted return from t of
-    `samples` continuations that keep the row's tokens < t (0 past each response's end)."""
+def mc_values(
+    actor, task, alphabet: int, batch: dict[str, Tensor], samples: int, gamma: float, seed: int, stride: int = 1
+) -> Tensor:
+    """[B, R] Monte-Carlo values of the actor at every `stride`-th response position (0 elsewhere and past each
+    response's end): the mean discounted return from t of `samples` continuations that keep the row's tokens < t."""
     mask, responses = batch["response_mask"], batch["responses"]
     width, lengths = batch["input_ids"].shape[1] - responses.shape[1], mask.sum(-1)
     values = torch.zeros(mask.shape)
-    for t in range(responses.shape[1]):
+    for t in range(0, responses.shape[1], stride):
         rows = (lengths > t).nonzero()[:, 0]
         if len(rows) == 0:
             break
@@ -250,12 +314,22 @@ def mc_values(actor, task, alphabet: int, batch: dict[str, Tensor], samples: int
 # Advantages: GAE from a critic's values, or a critic-free baseline
 
 
-def gae_advantages(batch: dict[str, Tensor], values: Tensor, gamma: float, lam: float) -> Tensor:
-    """verl's GAE advantages (whitened over the batch's tokens) from `values`."""
-    advantages, _ = compute_gae_advantage_return(
+def gae_advantages(
+    batch: dict[str, Tensor], values: Tensor, gamma: float, lam: float | Tensor
+) -> tuple[Tensor, Tensor]:
+    """verl's GAE advantages (whitened over the batch's tokens) from `values`, and the returns verl's trainer hands
+    its critic (the advantages before whitening plus `values`); `lam` a number or one per row."""
+    advantages, returns = compute_gae_advantage_return(
         batch["token_level_rewards"], values, batch["response_mask"], gamma, lam
     )
-    return masked_whiten(advantages, batch["response_mask"])
+    return masked_whiten(advantages, batch["response_mask"]), returns
+
+
+def actor_lambda(batch: dict[str, Tensor], cfg: LoopConfig, gamma: float) -> float | Tensor:
+    """The actor's GAE λ: `cfg.lam`, or VAPO's 1 − 1/(α·l) by each response's length under `lam_alpha`."""
+    if cfg.lam_alpha is None:
+        return cfg.lam
+    return length_adaptive_lambda(batch["response_mask"], cfg.lam_alpha, gamma=gamma)
 
 
 def outcome_advantages(batch: dict[str, Tensor], group: int, eps: float = 1e-6) -> Tensor:
@@ -303,6 +377,23 @@ def update_actor(actor, optimizer, batch, advantages, old, ref, alphabet: int, c
 # One run
 
 
+def check_levers(cfg: LoopConfig) -> None:
+    """Refuse a lever that the method cannot take, or a value outside its choices, naming the field."""
+    if cfg.critic_targets not in ("own", "actor"):
+        raise ValueError(f"critic_targets={cfg.critic_targets!r}: expected 'own' or 'actor'")
+    if cfg.critic_init not in ("random", "actor"):
+        raise ValueError(f"critic_init={cfg.critic_init!r}: expected 'random' or 'actor'")
+    if cfg.critic_warmup < 0 or cfg.critic_mini_batches < 0 or cfg.batch % (cfg.critic_mini_batches or 1):
+        raise ValueError(
+            f"critic_warmup={cfg.critic_warmup} must be >= 0 and critic_mini_batches={cfg.critic_mini_batches} "
+            f"must divide batch={cfg.batch}"
+        )
+    given = {"critic_targets": "own", "critic_options": (), "critic_mini_batches": 0, "critic_warmup": 0}
+    given = [key for key, default in {**given, "critic_init": "random"}.items() if getattr(cfg, key) != default]
+    if given and critic_of(cfg.method) is None:
+        raise ValueError(f"method {cfg.method!r} has no learned critic: {', '.join(given)} cannot apply")
+
+
 CRITIC_KINDS = {"critic": False, "critic_mc": True}  # a learned critic's method prefix -> regressed on MC values
 CRITICLESS = ("grpo", "reinforce", "mc")
 
@@ -322,17 +413,22 @@ def critic_of(method: str) -> tuple[str, bool] | None:
 class Critic:
     """A `CriticWorker` of bench/ablation.py's configuration `name` on the task, as verl uses it."""
 
-    def __init__(self, name: str, mc_targets: bool, task_name: str, task: Any, cfg: LoopConfig, run_dir: str):
-        overrides = [*_ablation().CONFIGS[name][1], *ACTOR_TASKS[task_name].overrides]
+    def __init__(self, name: str, mc_targets: bool, loop: Loop, run_dir: str):
+        cfg, task = loop.cfg, loop.task
+        overrides = [*_ablation().CONFIGS[name][1], *ACTOR_TASKS[cfg.task].overrides]
         overrides += [f"trainer.rollout_batch_size={cfg.batch}", f"trainer.steps={cfg.iterations}"]
-        overrides += [f"critic.ppo_mini_batch_size={cfg.batch // cfg.mini_batches}"]  # the actor's, as in verl
-        overrides += [f"trainer.seed={cfg.seed}", f"trainer.run_dir={run_dir}"]
+        mini_batches = cfg.critic_mini_batches or cfg.mini_batches  # the actor's by default, as in verl's examples
+        overrides += [f"critic.ppo_mini_batch_size={cfg.batch // mini_batches}"]
+        overrides += [f"trainer.seed={cfg.seed}", f"trainer.run_dir={run_dir}", *cfg.critic_options]
+        if cfg.critic_init == "actor":
+            overrides.append(f"critic.model.path={actor_checkpoint(loop.actor, Path(run_dir) / 'actor')}")
         train_cfg = load_config(None, overrides)
         self.cfg = resolve_model(train_cfg, task.vocab_size, task.prompt_width + task.response_width)
-        if mc_targets and self.cfg.replayed_rows():  # a replayed row was written by an older actor: refused unbuilt
-            raise ValueError(
-                f"method critic_mc:{name}: Monte-Carlo targets of the current actor cannot be had for "
-                "replayed rows; use a configuration without replay"
+        if (mc_targets or cfg.critic_targets == "actor") and self.cfg.replayed_rows():
+            what = "Monte-Carlo targets" if mc_targets else "GAE returns (critic_targets=actor)"
+            raise ValueError(  # a replayed row was written by an older actor: refused before anything is built
+                f"method {cfg.method}: the current actor's {what} cannot be had for replayed rows; use a "
+                "configuration without replay"
             )
         self.worker, self.mc_targets = make_worker(self.cfg), mc_targets
         self.seconds = 0.0
@@ -372,15 +468,16 @@ class Loop:
 
     def __init__(self, cfg: LoopConfig, run_dir: str):
         self.cfg, spec = cfg, ACTOR_TASKS[cfg.task]
+        check_levers(cfg)
         options = load_config(None, list(spec.overrides)).task_config()
-        self.task = TASKS[cfg.task][0](options)
+        self.task = TASKS[spec.base or cfg.task][0](options)
         self.spec, self.gamma = spec, spec.gamma
         self.alphabet = alphabet_size(self.task, spec)
         self.actor = build_actor(self.task.vocab_size, self.task.prompt_width + self.task.response_width, cfg.seed)
         self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=cfg.actor_lr, weight_decay=0.0)
         self.ref = copy.deepcopy(self.actor).eval() if cfg.kl_coef else None
         learned = critic_of(cfg.method)
-        self.critic = Critic(*learned, cfg.task, self.task, cfg, run_dir) if learned else None
+        self.critic = Critic(*learned, self, run_dir) if learned else None
         self.generator = torch.Generator().manual_seed(cfg.seed)
         held_out = torch.Generator().manual_seed(cfg.seed + 1_000_003)
         self.eval_prompts = self.task.prompts(cfg.eval_prompts, held_out)
@@ -403,15 +500,19 @@ class Loop:
             return outcome_advantages(batch, cfg.group)
         if cfg.method == "reinforce":
             return outcome_advantages(batch, len(batch["responses"]))
+        lam = actor_lambda(batch, cfg, self.gamma)
         if cfg.method == "mc":
-            return gae_advantages(batch, self.mc_values(batch, step), self.gamma, cfg.lam)
+            return gae_advantages(batch, self.mc_values(batch, step), self.gamma, lam)[0]
         values = self.critic.values(batch)
         if self.probing(step):  # the error the actor's advantages see: its own rollouts, before the critic's update
             start, rows = time.perf_counter(), torch.arange(min(cfg.probe_rows, len(values)))
             self.live_probes.append(self.compare(rows_of(batch, rows), values[rows], step))
             self.probe_seconds += time.perf_counter() - start  # not the iteration's cost
-        advantages = gae_advantages(batch, values, self.gamma, cfg.lam)
-        targets = self.mc_values(batch, step) if self.critic.mc_targets else None  # not the critic's time
+        advantages, returns = gae_advantages(batch, values, self.gamma, lam)
+        if self.critic.mc_targets:
+            targets = self.mc_values(batch, step)  # not the critic's time
+        else:
+            targets = returns if cfg.critic_targets == "actor" else None
         self.critic.update(batch, values, targets)
         return advantages
 
@@ -423,6 +524,8 @@ class Loop:
             old = token_logprobs(self.actor, batch, self.alphabet)
             ref = None if self.ref is None else token_logprobs(self.ref, batch, self.alphabet)
         advantages = self.advantages(batch, step)
+        if step <= self.cfg.critic_warmup:  # verl's critic_warmup: the critic learns, the actor stays
+            return int(batch["response_mask"].sum())
         update_actor(self.actor, self.optimizer, batch, advantages, old, ref, self.alphabet, self.cfg, self.generator)
         return int(batch["response_mask"].sum())
 
@@ -440,9 +543,10 @@ class Loop:
         """EV and MSE of `values` against Monte-Carlo values of the current actor on `batch`'s prefixes, with the
         truth's variance and its own noise (the variance of the Monte-Carlo mean, from two independent halves:
         E[(a - b)²] / 4), which bounds what any critic can score against it."""
-        cfg, mask = self.cfg, batch["response_mask"]
+        cfg, stride = self.cfg, self.cfg.probe_stride
+        mask = batch["response_mask"] * (torch.arange(batch["response_mask"].shape[1]) % stride == 0)
         halves = [
-            mc_values(self.actor, self.task, self.alphabet, batch, cfg.probe_samples // 2, self.gamma, seed)
+            mc_values(self.actor, self.task, self.alphabet, batch, cfg.probe_samples // 2, self.gamma, seed, stride)
             for seed in (31 + step, 1_000_033 + step)
         ]
         truth = (halves[0] + halves[1]) / 2
@@ -468,6 +572,8 @@ def run(cfg: LoopConfig) -> dict:
                 curve.append((step, tokens, loop.evaluate(step)))
             if loop.probing(step):
                 probes.append(loop.probe_critic(step))
+            if cfg.stop_at_target and step % cfg.eval_every == 0 and curve[-1][2] >= loop.spec.target:
+                break
     reached = next((step for step, _, score in curve if score >= loop.spec.target), None)
     return {
         **dataclasses.asdict(cfg),
@@ -477,8 +583,9 @@ def run(cfg: LoopConfig) -> dict:
         "iterations_to_target": reached,
         "tokens_to_target": next((tok for step, tok, _ in curve if step == reached), None),
         "final_score": statistics.mean(score for _, _, score in curve[-3:]),
-        "wall_s_per_iteration": (wall - loop.probe_seconds) / cfg.iterations,
-        "critic_s_per_iteration": (loop.critic.seconds if loop.critic else 0.0) / cfg.iterations,
+        "iterations_run": step,
+        "wall_s_per_iteration": (wall - loop.probe_seconds) / step,
+        "critic_s_per_iteration": (loop.critic.seconds if loop.critic else 0.0) / step,
     }
 
 
@@ -505,11 +612,71 @@ LEVERS = {  # the earlier default with one lever changed (bench/ablation.py's na
         for lever in ("nonorm", "noema", "nonorm_noema", "popart_ema")
     },
 }
+# issue 53: verl's critic as verl's trainer runs it (its targets the returns of the actor's GAE), swept over its rate,
+# its mini-batches per batch and its epochs; the best per setting is the baseline
+VERL_SWEEP = {
+    f"verl_lr{lr}_mb{k}_ep{e}": {
+        "method": f"critic:verl_lr{lr}",
+        "critic_targets": "actor",
+        "critic_mini_batches": k,
+        "critic_options": (f"critic.ppo_epochs={e}",),
+    }
+    for lr in ("3e-4", "1e-3", "3e-3")
+    for k in (1, 2, 4)
+    for e in (1, 2)
+}
+# ours as a verl user gets it: only what verl's trainer passes (PPO_CRITIC_OPTIONS, verl's keys; its targets the
+# actor's returns, no replay, no λ of its own)
+METHODS["ours-verl"] = {
+    "method": "critic:verl_lr1e-3",
+    "critic_targets": "actor",
+    "critic_options": ("critic.value_norm=popart", "critic.ema_decay=0.9", "critic.optim.lr=5e-4"),
+}
+PRETRAIN = 10  # iterations of value pretraining on the first actor (its rollouts counted)
+LEVER_CHANGES = {  # suffix -> the lever's LoopConfig changes (critic_options appended to the base's)
+    "pretrain": {"critic_warmup": PRETRAIN, "critic_options": (f"trainer.critic_warmup_steps={PRETRAIN}",)},
+    "warmup": {"critic_warmup": PRETRAIN},  # verl's critic_warmup: the critic's usual targets
+    "epochs2": {"critic_options": ("critic.ppo_epochs=2",)},
+    "mb4": {"critic_mini_batches": 4},
+    "lr1e-3": {"critic_options": ("critic.optim.lr=1e-3",)},
+    "lr2e-3": {"critic_options": ("critic.optim.lr=2e-3",)},
+    "noema": {"critic_options": ("critic.ema_decay=0.0",)},
+    "nonorm": {"critic_options": ("critic.value_norm=off",)},
+    "lam1": {"critic_options": ("trainer.length_adaptive_alpha=null", "trainer.lam=1.0")},  # VC-PPO's λ_critic
+    "replay192": {"critic_options": ("trainer.replay_rows=192",)},
+    "init-actor": {"critic_init": "actor"},
+}
+OWN_ONLY = ("pretrain", "lam1", "replay192")  # levers of the critic's own targets: not what verl's trainer hands
+
+
+def with_lever(base: dict, changes: dict) -> dict:
+    """`base`'s LoopConfig overrides with a lever's `changes` (its critic options after the base's)."""
+    options = (*base.get("critic_options", ()), *changes.get("critic_options", ()))
+    return {**base, **changes, "critic_options": options}
+
+
+LEVERS.update(
+    {
+        f"{base}+{suffix}": with_lever(METHODS[base], changes)
+        for base in ("ppo-critic", "ours-verl")
+        for suffix, changes in LEVER_CHANGES.items()
+        if base == "ppo-critic" or suffix not in OWN_ONLY
+    }
+)
+LEVERS.update(VERL_SWEEP)
 
 
 def same_config(result: dict, cfg: LoopConfig) -> bool:
-    """Whether `result` is a run of `cfg`."""
-    return all(result.get(key) == value for key, value in dataclasses.asdict(cfg).items())
+    """Whether `result` is a run of `cfg` (a field the run predates at its default; tuples stored as lists)."""
+    defaults = dataclasses.asdict(LoopConfig())
+    return all(
+        _plain(result.get(key, defaults[key])) == _plain(value) for key, value in dataclasses.asdict(cfg).items()
+    )
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON stores it."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def load(path: Path) -> list[dict]:
@@ -554,6 +721,39 @@ def table(task: str, results: list[dict]) -> str:
             f"{wall:.2f} ({work:.2f}) |"
         )
     return "\n".join(lines)
+
+
+def median_tokens(results: list[dict], name: str) -> float | None:
+    """The lower median over seeds of a method's rollout tokens to the target (inf: never at its median; None: no
+    run)."""
+    reach = [r["tokens_to_target"] for r in results if r["name"] == name]
+    if not reach:
+        return None
+    median = lower_median(reach)
+    return math.inf if median is None else median
+
+
+def best_of(results: list[dict], prefix: str) -> tuple[str, float] | None:
+    """The method named `prefix`… with the fewest median rollout tokens to the target, and those tokens."""
+    found = [(median_tokens(results, name), name) for name in {r["name"] for r in results} if name.startswith(prefix)]
+    return min(found, key=lambda pair: (pair[0], pair[1]))[::-1] if found else None
+
+
+def ratios(results: list[dict]) -> list[str]:
+    """A line per method of interest: its median rollout tokens to the target over verl's best critic's and GRPO's
+    best group size's (issue 53's measure), where both ran."""
+    bases = {"verl-best": best_of(results, "verl_"), "GRPO-best": best_of(results, "grpo")}
+    bases = {label: found for label, found in bases.items() if found and math.isfinite(found[1])}
+    if not bases:
+        return []
+    head = "; ".join(f"{label} {name} ({tokens / 1000:.0f}k)" for label, (name, tokens) in bases.items())
+    lines = [f"Rollout tokens to the target (medians over seeds) against {head}:", ""]
+    for name in ("ours-verl", "ppo-critic", "mc", "learned_mc"):
+        mine = median_tokens(results, name)
+        if mine is not None:
+            parts = [f"{mine / tokens:.2f}× {label}" for label, (_, tokens) in bases.items()]
+            lines.append(f"- {name}: {', '.join(parts)}")
+    return lines
 
 
 def probe_summary(probes: list[dict]) -> str:
@@ -612,10 +812,25 @@ def report(results: Path = RESULTS) -> str:
         task, runs = path.stem, load(path)
         plot(task, runs, path.with_suffix(".png"))
         spec = ACTOR_TASKS[task]
-        setting = f"actor lr {runs[0]['actor_lr']:g}, {runs[0]['batch']} responses per iteration, λ {runs[0]['lam']:g}"
+        first = runs[0]
+        lam = f"λ {first['lam']:g}" if first.get("lam_alpha") is None else f"λ 1 − 1/({first['lam_alpha']:g}·l)"
+        setting = f"actor lr {first['actor_lr']:g}, {first['batch']} responses per iteration, {lam}"
         title = f"### {task}: target score {spec.target} ({setting}; curves: `{path.with_suffix('.png').name}`)"
-        parts += [title, "", table(task, runs), ""]
+        parts += [title, "", table(task, runs), "", *ratios(runs), ""]
     return "\n".join(parts)
+
+
+def setting(spec: ActorTask, args: argparse.Namespace) -> dict:
+    """The LoopConfig fields a task sets (the command line's where given)."""
+    return {
+        "iterations": args.iterations or spec.iterations,
+        "actor_lr": args.actor_lr or spec.actor_lr,
+        "batch": args.batch,
+        "lam": spec.lam if args.lam is None else args.lam,
+        "lam_alpha": spec.lam_alpha,
+        "stop_at_target": spec.stop_at_target,
+        **dict(spec.loop_options),
+    }
 
 
 def main() -> None:
@@ -626,7 +841,7 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=None, help="iterations of every run (default: the task's)")
     p.add_argument("--actor-lr", type=float, default=None, help="the actor's rate (default: the task's)")
     p.add_argument("--batch", type=int, default=LoopConfig.batch, help="responses per iteration")
-    p.add_argument("--lam", type=float, default=LoopConfig.lam, help="the actor's GAE λ")
+    p.add_argument("--lam", type=float, default=None, help="the actor's GAE λ (default: the task's)")
     p.add_argument("--results", type=Path, default=RESULTS, help="the folder of the result files (screens: another)")
     p.add_argument("--report", action="store_true", help="only the tables and curves (docs/QUALITY.md with --write)")
     p.add_argument("--write", action="store_true", help="with --report: replace the tables in docs/QUALITY.md")
@@ -644,10 +859,9 @@ def main() -> None:
         path = args.results / f"{task}.json"
         for seed in args.seeds:
             for name in args.methods:
-                lr = args.actor_lr or ACTOR_TASKS[task].actor_lr
-                steps = args.iterations or ACTOR_TASKS[task].iterations
-                options = {"iterations": steps, "actor_lr": lr, "batch": args.batch, "lam": args.lam}
-                cfg = LoopConfig(task=task, seed=seed, **options, **{**METHODS, **LEVERS}[name])
+                cfg = LoopConfig(
+                    task=task, seed=seed, **setting(ACTOR_TASKS[task], args), **{**METHODS, **LEVERS}[name]
+                )
                 if any(r["name"] == name and same_config(r, cfg) for r in load(path)):
                     continue
                 result = {"name": name, **run(cfg)}

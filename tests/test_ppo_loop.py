@@ -3,7 +3,9 @@ them, the critic is called as verl calls it, and the Monte-Carlo values are the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import sys
 
 import pytest
@@ -172,3 +174,124 @@ def test_a_lone_write_is_refused_instead_of_starting_the_runs(loop, monkeypatch,
     with pytest.raises(SystemExit) as stopped:
         loop.main()
     assert stopped.value.code == 2 and "give it with --report" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 53: the discriminating settings and the critic's levers
+
+
+@pytest.mark.parametrize("task", ["counting_fast", "dense_fast", "counting_long", "counting_long_vapo"])
+def test_each_discriminating_setting_runs_and_moves_the_actor_and_the_critic(loop, tmp_path, task):
+    spec = loop.ACTOR_TASKS[task]
+    options = {**loop.setting(spec, loop.argparse.Namespace(iterations=2, actor_lr=None, batch=16, lam=None))}
+    options.update(batch=16, eval_prompts=16, probe_rows=4, probe_samples=4)
+    run = loop.Loop(loop.LoopConfig(task=task, **{**options, **loop.METHODS["ours-verl"]}), str(tmp_path))
+    actor, critic = parameters(run.actor), parameters(run.critic.worker.model)
+    tokens = run.iteration(1)
+    assert not torch.equal(parameters(run.actor), actor) and not torch.equal(
+        parameters(run.critic.worker.model), critic
+    )
+    lengths = [int(o.split("=")[1]) for o in spec.overrides if "response_len" in o] or [4, 16]
+    assert 16 * min(lengths) <= tokens <= 16 * max(lengths)
+
+
+def test_vapo_lambda_is_one_minus_one_over_alpha_times_each_responses_length(loop):
+    mask = loop.prefix_mask(torch.tensor([40, 100, 200]), 200)
+    cfg = loop.LoopConfig(lam_alpha=0.05)
+    assert torch.allclose(loop.actor_lambda({"response_mask": mask}, cfg, 1.0), torch.tensor([0.5, 0.8, 0.9]))
+    assert loop.actor_lambda({"response_mask": mask}, loop.LoopConfig(lam=0.9), 1.0) == 0.9
+
+
+def test_verl_targets_are_the_returns_of_the_actors_gae_from_the_critics_values(loop, tmp_path):
+    """verl's trainer computes advantages and the critic's returns in one GAE call, under the actor's λ."""
+    cfg = small(loop, method="critic:verl_lr1e-3", critic_targets="actor", lam=0.8, iterations=1)
+    run = loop.Loop(cfg, str(tmp_path))
+    seen, update = [], run.critic.worker.update_critic
+    run.critic.worker.update_critic = lambda batch: seen.append(batch) or update(batch)
+    run.iteration(1)
+    batch = seen[0]
+    expected = loop.compute_gae_advantage_return(
+        batch["token_level_rewards"], batch["values"], batch["response_mask"], 1.0, 0.8
+    )[1]
+    assert torch.equal(batch["returns"], expected)
+    own = loop.critic_returns(batch, batch["values"], run.critic.cfg.trainer, 0)  # verl's configuration: λ 1
+    assert not torch.allclose(own, expected)
+
+
+def test_a_critic_warmup_trains_the_critic_on_the_first_actors_rollouts_and_counts_them(loop, tmp_path):
+    """Value pretraining (`+pretrain`): the actor stays for the warm-up iterations, the critic regresses on their
+    Monte-Carlo returns (λ 1: the reward-to-go, γ 1 on counting), and their tokens are rollouts spent."""
+    changes = {key: value for key, value in loop.LEVERS["ppo-critic+pretrain"].items() if key != "critic_options"}
+    changes["critic_warmup"] = 2
+    options = ("critic.ppo_mini_batch_size=16", "trainer.replay_rows=0", "trainer.critic_warmup_steps=2")
+    run = loop.Loop(small(loop, **{**changes, "critic_options": options}, iterations=3), str(tmp_path))
+    seen, update = [], run.critic.worker.update_critic
+    run.critic.worker.update_critic = lambda batch: seen.append(batch) or update(batch)
+    actor = parameters(run.actor)
+    tokens = [run.iteration(step) for step in (1, 2)]
+    assert torch.equal(parameters(run.actor), actor) and run.critic.worker.step == 2 and min(tokens) >= 16 * 4
+    rewards = seen[0]["token_level_rewards"]
+    to_go = rewards.flip(-1).cumsum(-1).flip(-1) * seen[0]["response_mask"]
+    assert torch.allclose(seen[0]["returns"], to_go, atol=1e-5)  # returns = advantages + values, in float32
+    run.iteration(3)
+    assert not torch.equal(parameters(run.actor), actor)
+
+
+def test_a_critic_started_from_the_actor_holds_the_actors_body_under_a_new_head(loop, tmp_path):
+    run = loop.Loop(small(loop, method="critic:verl_lr1e-3", critic_init="actor", iterations=1), str(tmp_path))
+    critic = dict(run.critic.worker.model.named_parameters())
+    body = {name.removeprefix("model."): p for name, p in run.actor.named_parameters() if name.startswith("model.")}
+    shared = [name for name in critic if name.removeprefix("model.") in body]
+    assert len(shared) == len(body)  # every weight of the actor's body
+    assert all(torch.equal(critic[name], body[name.removeprefix("model.")]) for name in shared)
+
+
+@pytest.mark.parametrize(
+    "options, field",
+    [
+        ({"method": "grpo", "group": 4, "critic_warmup": 3}, "critic_warmup"),
+        ({"method": "mc", "critic_init": "actor"}, "critic_init"),
+        ({"critic_targets": "verl"}, "critic_targets='verl'"),
+        ({"critic_init": "reward"}, "critic_init='reward'"),
+        ({"critic_mini_batches": 5}, "critic_mini_batches=5"),
+        ({"critic_targets": "actor", "method": "critic:batch_alpha0.5_lr5e-4_popart_ema_replay96"}, "replayed rows"),
+    ],
+)
+def test_a_lever_the_method_cannot_take_is_refused_naming_it(loop, tmp_path, options, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        loop.Loop(small(loop, **options), str(tmp_path))
+
+
+def test_a_run_that_stops_at_its_target_ends_at_the_first_evaluation_there(loop, monkeypatch):
+    monkeypatch.setitem(loop.ACTOR_TASKS, "counting", dataclasses.replace(loop.ACTOR_TASKS["counting"], target=0.0))
+    result = loop.run(small(loop, method="grpo", group=4, iterations=6, eval_every=2, stop_at_target=True))
+    assert result["iterations_to_target"] == 0  # already there before the first iteration
+    assert result["iterations_run"] == 2 and [step for step, _, _ in result["curve"]] == [0, 2]
+
+
+def test_a_stored_run_from_before_the_levers_is_the_same_configuration(loop):
+    cfg = small(loop, method="grpo", group=4, critic_options=())
+    stored = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    for key in ("lam_alpha", "critic_targets", "critic_options", "critic_warmup", "critic_init", "stop_at_target"):
+        del stored[key]
+    assert loop.same_config(stored, cfg)
+    assert not loop.same_config({**stored, "critic_warmup": 2}, cfg)
+    levered = small(loop, critic_options=("critic.ppo_epochs=2",))
+    assert loop.same_config(json.loads(json.dumps(dataclasses.asdict(levered))), levered)  # a tuple stored as a list
+
+
+def test_the_report_sets_ours_against_verls_best_critic_and_grpos_best_n(loop):
+    def runs(name, tokens):
+        return [{"name": name, "tokens_to_target": None if t is None else t * 1000} for t in tokens]
+
+    results = [
+        *runs("verl_lr1e-3_mb2_ep1", [100, 120, None]),
+        *runs("verl_lr3e-4_mb1_ep1", [80, 90, 200]),
+        *runs("grpo_n4", [400, 300, 500]),
+        *runs("ours-verl", [60, 70, 80]),
+        *runs("ppo-critic", [None, None, 10]),
+    ]
+    text = "\n".join(loop.ratios(results))
+    assert "verl-best verl_lr3e-4_mb1_ep1 (90k)" in text  # 90 tokens: the best median of the sweep
+    assert "- ours-verl: 0.78× verl-best, 0.17× GRPO-best" in text  # 70 / 90, 70 / 400
+    assert "- ppo-critic: inf× verl-best" in text  # never at its median
