@@ -232,6 +232,12 @@ class CriticConfig:
     value_norm_decay: float = 1.0
     """the weight the return statistics already hold keep at each update: 1 counts every return seen alike; below 1
     they forget, an exponential window of ~1 / (1 − value_norm_decay) updates (for a policy that moves)"""
+    targets_lam: float | None = None
+    """the λ of the critic's own regression targets: GAE returns recomputed from the batch's `token_level_rewards`
+    and old `values` (VC-PPO's decoupled λ; 1: Monte-Carlo returns); null: the returns the trainer hands over
+    (verl's, under algorithm.lam). For verl's trainer; `ppo-critic train` sets its own with trainer.lam"""
+    targets_gamma: float = 1.0
+    """the discount of those targets: verl's algorithm.gamma"""
     ema_decay: float = 0.0
     """> 0: compute_values (and the HF export) use a moving average of the weights with this decay; 0: off"""
     ema_warmup: bool = False
@@ -355,7 +361,7 @@ class CriticConfig:
             errors.append(f"dtype={self.dtype!r} is unknown; use one of {sorted(DTYPES)} or null for the default")
         if not _positive_number(self.huber_delta):
             errors.append(f"huber_delta={self.huber_delta!r} must be a positive (finite) number")
-        errors += self.value_norm_errors() + self.ema_errors() + self.param_dtype_errors()
+        errors += self.value_norm_errors() + self.ema_errors() + self.param_dtype_errors() + self.targets_errors()
         for name in ("cliprange_value", "grad_clip", "loss_scale_factor"):
             value = getattr(self, name)
             if value is not None and not _positive_number(value):
@@ -415,6 +421,20 @@ class CriticConfig:
         if decay < 1 and self.value_norm in ("off", False):
             return [f"value_norm_decay={decay} needs value_norm=running or popart (there are no statistics to forget)"]
         return []
+
+    def targets_errors(self) -> list[str]:
+        """`targets_lam` (null or in [0, 1]) and `targets_gamma` (in [0, 1])."""
+        errors = []
+        for name, value, allow_null in (
+            ("targets_lam", self.targets_lam, True),
+            ("targets_gamma", self.targets_gamma, False),
+        ):
+            if value is None and allow_null:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+                null = " or null (the trainer's returns)" if allow_null else ""
+                errors.append(f"{name}={value!r} must be a number in [0, 1]{null}")
+        return errors
 
     def ema_errors(self) -> list[str]:
         """`ema_decay` is a number in [0, 1) and works where the average can live beside the parameters."""

@@ -189,6 +189,11 @@ class TrainConfig:
                 raise ValueError(f"trainer.{name}={getattr(t, name)!r} must be true or false")
         if t.critic_warmup_steps < 0:
             raise ValueError(f"trainer.critic_warmup_steps={t.critic_warmup_steps} must be >= 0")
+        if self.critic.targets_lam is not None:  # the trainer computes its critic's targets itself
+            raise ValueError(
+                f"critic.targets_lam={self.critic.targets_lam} is for verl's trainer; ppo-critic train sets the "
+                "critic's λ with trainer.lam (or trainer.length_adaptive_alpha) and its discount with trainer.gamma"
+            )
         if t.save_every < 0 or t.keep_last_n < 0:
             raise ValueError("trainer.save_every and trainer.keep_last_n must be >= 0 (0: only at the end / keep all)")
         if not (0 <= t.gamma <= 1 and 0 <= t.lam <= 1):

@@ -20,6 +20,7 @@ from ppo_critic.config.critic import CriticConfig, RankSizes
 from ppo_critic.critics.ema import ParameterEMA
 from ppo_critic.critics.objectives import ValueObjective, objective_of
 from ppo_critic.critics.perf import ModelShape, PhaseTimer, perf_metrics
+from ppo_critic.critics.targets import own_returns
 from ppo_critic.critics.value_norm import ValueNormalizer
 from ppo_critic.data.batch import DIGESTED, MODEL_KEYS, MULTI_MODAL, TARGET_KEYS, Batch
 from ppo_critic.data.batching import check_token_budget, dynamic_micro_batches, fixed_micro_batches, mini_batch_rows
@@ -357,6 +358,9 @@ class PPOCriticBase:
     def _checked_batch(self, data: Any, require_targets: bool = False) -> Batch:
         """`data` as a Batch, with every input check a call makes before any state changes."""
         batch = Batch.from_any(data)
+        returns = own_returns(batch.tensors, batch.response_mask, self.config) if require_targets else None
+        if returns is not None:  # checked below as the trainer's would be
+            batch = Batch({**batch.tensors, "returns": returns}, batch.non_tensors, batch.meta_info)
         batch.validate(require_targets=require_targets)
         self.check_token_ids(batch)
         if require_targets:  # returns the objective cannot model (bce: outside [0, 1])

@@ -33,6 +33,7 @@ from ppo_critic.backends.data_parallel.critic import MicroLoss, MicroResult
 from ppo_critic.config.critic import CriticConfig, ModelConfig
 from ppo_critic.config.env import OPTIONS_ENV, named_in_refusals, with_options
 from ppo_critic.config.verl import engine_section, to_mapping
+from ppo_critic.critics.targets import REWARDS, own_returns
 from ppo_critic.data.batch import MULTI_MODAL, Batch, to_device
 from ppo_critic.data.batching import check_token_budget, restore_order
 from ppo_critic.data.packing import valid_positions
@@ -258,6 +259,7 @@ class PPOCriticEngine(BaseEngine):
         report = MiniBatchReport(self.device)
         loss_fn = None
         if loss_function is not None:
+            self._own_returns(data)
             self._assign_denominators(data)
             targets = self._target_maps(data, update=train)
             loss_fn = self._micro_loss(data, loss_function, report, targets)
@@ -317,6 +319,16 @@ class PPOCriticEngine(BaseEngine):
         extras = {"critic/value_norm_mean": norm.mean, "critic/value_norm_std": norm.std}
         raw = {VPRED_MEAN: norm.denormalise}
         return report.parts(self._critic.all_reduce, self.layout.dp, raw, extras if norm.enabled and train else {})
+
+    def _own_returns(self, data: TensorDict) -> None:
+        """Under `critic.targets_lam`: the mini-batch's returns recomputed from its rewards and old values (its rows
+        are whole), in verl's layout, before verl's loss reads them."""
+        config = self._critic.config
+        if config.targets_lam is None:
+            return
+        given = {key: data.get(key, None) for key in (REWARDS, "values", "response_mask")}
+        tensors = {key: dense_rows(value) for key, value in given.items() if value is not None}
+        data["returns"] = jagged_like(own_returns(tensors, tensors["response_mask"], config), data["returns"])
 
     def _assign_denominators(self, data: TensorDict) -> None:
         """verl's loss normalises by `batch_num_tokens` (this mini-batch's loss-mask tokens on every DP rank) and
@@ -573,6 +585,20 @@ def as_jagged(values: Tensor, batch: Batch) -> Tensor:
     offsets = to_device(torch.tensor([0, *itertools.accumulate(lengths)], device="cpu"), values.device)
     flat_values = values.flatten(0, 1)[valid_positions(batch["attention_mask"].bool().flatten(), sum(lengths))]
     return torch.nested.nested_tensor_from_jagged(flat_values, offsets)
+
+
+def dense_rows(tensor: Tensor) -> Tensor:
+    """A nested (jagged) tensor of rows as a right-padded dense one; a dense tensor as it is."""
+    return tensor.to_padded_tensor(0.0) if tensor.is_nested else tensor
+
+
+def jagged_like(dense: Tensor, like: Tensor) -> Tensor:
+    """Right-padded rows `dense` in the layout of `like`: nested with its row lengths when it is, else dense."""
+    if not like.is_nested:
+        return dense.to(like.dtype)
+    lengths = like.offsets().diff().tolist()
+    rows = torch.cat([row[:n] for row, n in zip(dense, lengths, strict=True)])
+    return torch.nested.nested_tensor_from_jagged(rows.to(like.dtype), like.offsets())
 
 
 def flat(tensor: Tensor) -> Tensor:

@@ -63,6 +63,8 @@ ADDED_OPTIONS = {
     "trainer.surprise_steps": 20,
     "trainer.surprise_lr_scale": 2.0,
     "trainer.surprise_mc_targets": False,
+    "critic.targets_lam": None,
+    "critic.targets_gamma": 1.0,
 }
 T = TypeVar("T")
 

@@ -32,6 +32,7 @@ from verl.workers.utils.padding import left_right_2_no_padding
 from cuda_contract import Calls, flash_attn_varlen_func
 from multimodal import add_images, tiny_qwen2_vl
 from ppo_critic import DataParallelPPOCritic, build_value_model
+from ppo_critic.algos import compute_gae_advantage_return
 from ppo_critic.config.critic import CriticConfig
 from ppo_critic.config.env import OPTIONS_ENV
 from ppo_critic.integrations.verl_engine import PPOCriticEngine, check_packing, dense_inputs, engine_critic_config
@@ -390,6 +391,34 @@ def test_value_norm_through_the_engine_is_ppo_critics_own(single_process, model_
     fresh = training_worker(model_dir, **SGD)
     fresh.load_checkpoint(str(tmp_path / "global_step_2" / "critic"))
     assert torch.equal(infer_values(fresh, second), values)
+
+
+def test_own_targets_through_the_engine_are_the_returns_of_that_lambda(single_process, model_dir, monkeypatch):
+    """critic.targets_lam (issue 53) through PPO_CRITIC_OPTIONS: the engine recomputes each mini-batch's returns from
+    the token_level_rewards and old values verl hands over; the update is the engine's fed those returns, bit for
+    bit. A batch without rewards is refused naming the option."""
+    data = rollout(8, seed=21)
+    rewards = torch.randn(data.batch["returns"].shape, generator=torch.Generator().manual_seed(21))
+    data.batch["token_level_rewards"] = rewards
+    fed = copy.deepcopy(data)
+    mask = data.batch["response_mask"]
+    fed.batch["returns"] = compute_gae_advantage_return(rewards, data.batch["values"], mask, 0.9, 0.5)[1]
+    runs = []
+    for options, batch in (("targets_lam=0.5 targets_gamma=0.9", data), ("", fed)):
+        monkeypatch.setenv(OPTIONS_ENV, options)
+        worker = training_worker(model_dir, **SGD)
+        metrics = train(worker, batch, mini_batch_size=4, epochs=2)
+        runs.append(({k: repr(v) for k, v in metrics.items() if not k.startswith(MEASURED)}, engine_params(worker)))
+    (own, own_params), (plain, plain_params) = runs
+    assert own == plain and all(torch.equal(v, plain_params[k]) for k, v in own_params.items())
+    monkeypatch.setenv(OPTIONS_ENV, "")
+    handed = training_worker(model_dir, **SGD)
+    train(handed, data, mini_batch_size=4, epochs=2)  # the returns verl handed over: another update
+    assert not all(torch.equal(v, engine_params(handed)[k]) for k, v in own_params.items())
+    monkeypatch.setenv(OPTIONS_ENV, "targets_lam=1.0")
+    worker = training_worker(model_dir, **SGD)
+    with pytest.raises(ValueError, match=r"critic.targets_lam=1.0 recomputes .* no token_level_rewards"):
+        train(worker, rollout(8, seed=22), mini_batch_size=4)
 
 
 def test_dense_inputs_are_built_on_the_datas_device():

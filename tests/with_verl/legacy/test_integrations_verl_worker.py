@@ -5,6 +5,7 @@ micro-batch per mini-batch. Patched: only what verl 0.7.1 hard-codes for CUDA (`
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import subprocess
@@ -15,6 +16,8 @@ import torch
 from verl.trainer.ppo.metric_utils import reduce_metrics
 from verl_helpers import OursInVerl, VerlCritic, make_worker, worker_update, worker_values
 
+from ppo_critic.algos import compute_gae_advantage_return
+from ppo_critic.config.env import OPTIONS_ENV
 from verl_shared import params, rel_change, rollout
 
 SAME = 1e-6  # see test_integrations_verl_critic.py: rounding of one fp32 gradient summed in another order
@@ -47,6 +50,25 @@ def test_one_update_is_verls_and_its_metrics_reach_verls_trainer(single_process,
         assert math.isfinite(reduced[key]), key
     assert "perf/mfu/critic" in reduced and reduced["critic/lr"] == 0.1
     assert reduced["critic/grad_norm"] == pytest.approx(reduce_metrics(verl_metrics)["critic/grad_norm"], rel=SAME)
+
+
+def test_the_critics_own_lambda_in_verls_worker(single_process, model_dir, data, monkeypatch):
+    """`PPO_CRITIC_OPTIONS=targets_lam=...` (issue 53): verl's worker hands the critic its whole batch; the update is
+    the one on the returns of that λ from the batch's token_level_rewards and old values."""
+    sgd = {"optim.optimizer": "SGD", "optim.weight_decay": 0.0, "optim.lr": 0.1}
+    batch = copy.deepcopy(data)
+    rewards = torch.randn(batch.batch["returns"].shape, generator=torch.Generator().manual_seed(7))
+    batch.batch["token_level_rewards"] = rewards
+    fed = copy.deepcopy(batch)
+    mask = batch.batch["response_mask"]
+    fed.batch["returns"] = compute_gae_advantage_return(rewards, batch.batch["values"], mask, 0.9, 0.5)[1]
+    monkeypatch.setenv(OPTIONS_ENV, "targets_lam=0.5 targets_gamma=0.9")
+    own = worker(model_dir, **sgd)
+    worker_update(own, batch)
+    monkeypatch.setenv(OPTIONS_ENV, "")
+    plain = worker(model_dir, **sgd)
+    worker_update(plain, fed)
+    assert all(torch.equal(p, params(plain.critic_module)[k]) for k, p in params(own.critic_module).items())
 
 
 def test_checkpoint_round_trip_through_verls_checkpoint_manager(single_process, model_dir, data, tmp_path):
