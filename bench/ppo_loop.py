@@ -17,6 +17,14 @@ token-mean; `kl_coef` > 0 adds the low-variance KL to the initial actor). Method
 - `grpo`: the outcome normalised within each group of `group` responses to one prompt (no critic).
 - `reinforce`: the outcome minus the batch mean, over the batch's standard deviation (no critic).
 
+Levers of a learned critic (issue 53), LoopConfig fields: `critic_targets` ("own": its recipe's targets, the built-in
+trainer; "actor": the returns of the actor's GAE, what verl's trainer hands a critic), `critic_warmup` (verl's
+`trainer.critic_warmup`: the critic learns on the first actor's rollouts, which count; with Monte-Carlo targets over
+them, value pretraining), `critic_mini_batches`, `critic_options` (epochs, rate, EMA, PopArt, λ), `critic_init`
+("actor": the actor's first weights under a new head). `ours-verl` is ours with only what verl's trainer passes;
+`verl_lr*_mb*_ep*` sweeps verl's critic; `<method>+<lever>` changes one lever. The actor's λ is a number or VAPO's
+length-adaptive 1 − 1/(α·l) (`lam_alpha`).
+
 Reported: the actor's mean score on held-out prompts (one sampled response each) every `eval_every` iterations, by
 iterations and by rollout tokens; iterations to the task's target score; the critic's EV and MSE against
 Monte-Carlo values of the current actor on a fixed probe set of prefixes every `probe_every` iterations, with the
@@ -101,7 +109,7 @@ class ActorTask:
     """other LoopConfig fields the setting sets (the probes' size on long responses)"""
 
 
-LONG_PROBES = (("probe_rows", 16), ("probe_samples", 16), ("probe_stride", 16))
+LONG_PROBES = (("probe_rows", 16), ("probe_samples", 16), ("probe_stride", 16), ("eval_every", 5))
 ACTOR_TASKS = {
     "counting": ActorTask(("task.name=counting",), "ordinary", False, target=0.8, actor_lr=1e-4, iterations=200),
     "dense": ActorTask(
@@ -110,17 +118,22 @@ ACTOR_TASKS = {
     "recall": ActorTask(("task.name=recall",), "num_symbols", False, target=0.9, actor_lr=1e-4, iterations=200),
     # the discriminating settings (issue 53): a fast actor, and long responses whose advantages bootstrap at λ < 1
     "counting_fast": ActorTask(
-        ("task.name=counting", "task.min_response_len=8", "task.max_response_len=16"),
-        "ordinary", False, 0.8, actor_lr=1e-3, iterations=200, lam=1.0, base="counting", stop_at_target=True,
-    ),
-    "dense_fast": ActorTask(
-        ("task.name=dense", "trainer.gamma=0.9"), "num_symbols", True, 0.5, actor_lr=3e-3, iterations=200,
-        gamma=0.9, base="dense", stop_at_target=True,
+        ("task.name=counting", "task.min_response_len=8", "task.max_response_len=16", "task.min_count=3"),
+        "ordinary", False, 0.8, actor_lr=1e-3, iterations=100, base="counting", stop_at_target=True,
+        loop_options=(("batch", 32), ("eval_every", 5)),
     ),
     **{
         f"counting_long{suffix}": ActorTask(
             ("task.name=counting", "task.min_response_len=128", "task.max_response_len=144", "task.min_count=17"),
-            "ordinary", False, 0.8, actor_lr=1e-3, iterations=150, lam_alpha=alpha, base="counting",
+            "ordinary", False, 0.8, actor_lr=1e-4, iterations=150, lam_alpha=alpha, base="counting",
+            stop_at_target=True, loop_options=LONG_PROBES,
+        )
+        for suffix, alpha in (("", None), ("_vapo", 0.05))
+    },
+    **{
+        f"dense_long{suffix}": ActorTask(
+            ("task.name=dense", "trainer.gamma=0.9", "task.min_response_len=128", "task.max_response_len=144"),
+            "num_symbols", True, 0.3, actor_lr=1e-3, iterations=150, gamma=0.9, lam_alpha=alpha, base="dense",
             stop_at_target=True, loop_options=LONG_PROBES,
         )
         for suffix, alpha in (("", None), ("_vapo", 0.05))
@@ -586,6 +599,7 @@ def run(cfg: LoopConfig) -> dict:
         "iterations_run": step,
         "wall_s_per_iteration": (wall - loop.probe_seconds) / step,
         "critic_s_per_iteration": (loop.critic.seconds if loop.critic else 0.0) / step,
+        "task_overrides": list(loop.spec.overrides),
     }
 
 
@@ -645,8 +659,14 @@ LEVER_CHANGES = {  # suffix -> the lever's LoopConfig changes (critic_options ap
     "lam1": {"critic_options": ("trainer.length_adaptive_alpha=null", "trainer.lam=1.0")},  # VC-PPO's λ_critic
     "replay192": {"critic_options": ("trainer.replay_rows=192",)},
     "init-actor": {"critic_init": "actor"},
+    # ours-verl regressing on λ 1 returns of its own (VC-PPO's λ_critic): in verl `PPO_CRITIC_OPTIONS=targets_lam=1.0`
+    # (the same GAE from the rewards and old values; verl's configuration here regresses on λ 1 as its own recipe)
+    "critic-lam1": {"critic_targets": "own"},
 }
-OWN_ONLY = ("pretrain", "lam1", "replay192")  # levers of the critic's own targets: not what verl's trainer hands
+NOT_FOR = {  # the levers a row does not take: ours-verl only what verl's trainer hands (no own λ, no replay)
+    "ppo-critic": ("critic-lam1",),
+    "ours-verl": ("pretrain", "lam1", "replay192"),
+}
 
 
 def with_lever(base: dict, changes: dict) -> dict:
@@ -660,15 +680,18 @@ LEVERS.update(
         f"{base}+{suffix}": with_lever(METHODS[base], changes)
         for base in ("ppo-critic", "ours-verl")
         for suffix, changes in LEVER_CHANGES.items()
-        if base == "ppo-critic" or suffix not in OWN_ONLY
+        if suffix not in NOT_FOR[base]
     }
 )
 LEVERS.update(VERL_SWEEP)
 
 
 def same_config(result: dict, cfg: LoopConfig) -> bool:
-    """Whether `result` is a run of `cfg` (a field the run predates at its default; tuples stored as lists)."""
-    defaults = dataclasses.asdict(LoopConfig())
+    """Whether `result` is a run of `cfg` on its task as set now (a field the run predates at its default; tuples
+    stored as lists)."""
+    defaults, task = dataclasses.asdict(LoopConfig()), ACTOR_TASKS[cfg.task].overrides
+    if result.get("task_overrides", list(task)) != list(task):
+        return False
     return all(
         _plain(result.get(key, defaults[key])) == _plain(value) for key, value in dataclasses.asdict(cfg).items()
     )
@@ -821,16 +844,11 @@ def report(results: Path = RESULTS) -> str:
 
 
 def setting(spec: ActorTask, args: argparse.Namespace) -> dict:
-    """The LoopConfig fields a task sets (the command line's where given)."""
-    return {
-        "iterations": args.iterations or spec.iterations,
-        "actor_lr": args.actor_lr or spec.actor_lr,
-        "batch": args.batch,
-        "lam": spec.lam if args.lam is None else args.lam,
-        "lam_alpha": spec.lam_alpha,
-        "stop_at_target": spec.stop_at_target,
-        **dict(spec.loop_options),
-    }
+    """The LoopConfig fields a task sets, the command line's where given."""
+    fields = {"iterations": spec.iterations, "actor_lr": spec.actor_lr, "lam": spec.lam, "lam_alpha": spec.lam_alpha}
+    fields.update(stop_at_target=spec.stop_at_target, **dict(spec.loop_options))
+    given = {"iterations": args.iterations, "actor_lr": args.actor_lr, "batch": args.batch, "lam": args.lam}
+    return {**fields, **{key: value for key, value in given.items() if value is not None}}
 
 
 def main() -> None:
@@ -840,7 +858,7 @@ def main() -> None:
     p.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--iterations", type=int, default=None, help="iterations of every run (default: the task's)")
     p.add_argument("--actor-lr", type=float, default=None, help="the actor's rate (default: the task's)")
-    p.add_argument("--batch", type=int, default=LoopConfig.batch, help="responses per iteration")
+    p.add_argument("--batch", type=int, default=None, help="responses per iteration (default: the task's, else 96)")
     p.add_argument("--lam", type=float, default=None, help="the actor's GAE λ (default: the task's)")
     p.add_argument("--results", type=Path, default=RESULTS, help="the folder of the result files (screens: another)")
     p.add_argument("--report", action="store_true", help="only the tables and curves (docs/QUALITY.md with --write)")

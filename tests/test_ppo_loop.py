@@ -276,6 +276,8 @@ def test_a_stored_run_from_before_the_levers_is_the_same_configuration(loop):
         del stored[key]
     assert loop.same_config(stored, cfg)
     assert not loop.same_config({**stored, "critic_warmup": 2}, cfg)
+    assert loop.same_config({**stored, "task_overrides": ["task.name=counting"]}, cfg)
+    assert not loop.same_config({**stored, "task_overrides": ["task.name=counting", "task.min_count=3"]}, cfg)
     levered = small(loop, critic_options=("critic.ppo_epochs=2",))
     assert loop.same_config(json.loads(json.dumps(dataclasses.asdict(levered))), levered)  # a tuple stored as a list
 
