@@ -180,7 +180,7 @@ def test_a_lone_write_is_refused_instead_of_starting_the_runs(loop, monkeypatch,
 # issue 53: the discriminating settings and the critic's levers
 
 
-@pytest.mark.parametrize("task", ["counting_fast", "dense_fast", "counting_long", "counting_long_vapo"])
+@pytest.mark.parametrize("task", ["counting_fast", "counting_long", "counting_long_vapo", "dense_long"])
 def test_each_discriminating_setting_runs_and_moves_the_actor_and_the_critic(loop, tmp_path, task):
     spec = loop.ACTOR_TASKS[task]
     options = {**loop.setting(spec, loop.argparse.Namespace(iterations=2, actor_lr=None, batch=16, lam=None))}
