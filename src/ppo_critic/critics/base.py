@@ -358,10 +358,11 @@ class PPOCriticBase:
     def _checked_batch(self, data: Any, require_targets: bool = False) -> Batch:
         """`data` as a Batch, with every input check a call makes before any state changes."""
         batch = Batch.from_any(data)
-        returns = own_returns(batch.tensors, batch.response_mask, self.config) if require_targets else None
-        if returns is not None:  # checked below as the trainer's would be
-            batch = Batch({**batch.tensors, "returns": returns}, batch.non_tensors, batch.meta_info)
         batch.validate(require_targets=require_targets)
+        if require_targets and self.config.targets_lam is not None:  # checked as the trainer's returns were
+            returns = own_returns(batch.tensors, batch.response_mask, self.config)
+            batch = Batch({**batch.tensors, "returns": returns}, batch.non_tensors, batch.meta_info)
+            batch.validate(require_targets=True)
         self.check_token_ids(batch)
         if require_targets:  # returns the objective cannot model (bce: outside [0, 1])
             self.objective.check_returns(batch["returns"], batch.response_mask)
