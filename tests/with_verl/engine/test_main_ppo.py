@@ -24,6 +24,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from ppo_critic.config.env import OPTIONS_ENV
 from verl_shared import VOCAB, save_tiny_critic
 
 HERE = Path(__file__).resolve().parent
@@ -163,8 +164,11 @@ def ray_address():
     ray.shutdown()
 
 
-def main_ppo(workdir: Path, ray_address: str, name: str, *overrides: str, gpus: int = 1) -> dict[int, dict]:
-    """`python -m verl.trainer.main_ppo` in a subprocess; verl's metrics of each step, read from its file logger."""
+def main_ppo(
+    workdir: Path, ray_address: str, name: str, *overrides: str, gpus: int = 1, options: str = ""
+) -> dict[int, dict]:
+    """`python -m verl.trainer.main_ppo` in a subprocess (`options`: PPO_CRITIC_OPTIONS in every process); verl's
+    metrics of each step, read from its file logger."""
     run_dir = workdir / name
     run_dir.mkdir()
     metrics = run_dir / "metrics.jsonl"
@@ -179,7 +183,7 @@ def main_ppo(workdir: Path, ray_address: str, name: str, *overrides: str, gpus: 
         f"+ray_kwargs.ray_init.address={ray_address}",
         "ray_kwargs.ray_init.num_cpus=null",
     ]
-    env = run_env(metrics)
+    env = run_env(metrics) | ({OPTIONS_ENV: options} if options else {})
     cmd += [f'+ray_kwargs.ray_init.runtime_env.env_vars.{key}="{value}"' for key, value in env.items()]  # Ray's workers
     log = run_dir / "main_ppo.log"
     start = time.perf_counter()
@@ -228,3 +232,16 @@ def test_verls_default_trainer_under_ulysses_2(workdir, ray_address, verl_engine
 def test_verls_legacy_trainer(workdir, ray_address, verl_engine):
     got = main_ppo(workdir, ray_address, "ppo_critic_legacy", *PPO_CRITIC, "trainer.use_v1=false")
     assert_same_critic(got, verl_engine)
+
+
+def test_the_critics_own_lambda_through_verls_trainer(workdir, ray_address, verl_engine):
+    """`PPO_CRITIC_OPTIONS=targets_lam=1.0` (issue 53, VC-PPO's decoupled λ) under `algorithm.lam=0.5`: verl hands the
+    critic returns of λ 0.5 (the returns it logs), the critic trains on λ 1's, as verl's own engine does at
+    algorithm.lam=1 (the reference). The stand-in rollout does not read the actor: every step's critic is the same."""
+    got = main_ppo(
+        workdir, ray_address, "ppo_critic_own_lambda", *PPO_CRITIC, "algorithm.lam=0.5", options="targets_lam=1.0"
+    )
+    for step, metrics in verl_engine.items():
+        for key in COMPARED:
+            assert got[step][key] == pytest.approx(metrics[key], rel=RTOL), (step, key)
+    assert got[1]["critic/returns/mean"] != pytest.approx(verl_engine[1]["critic/returns/mean"], rel=1e-3)
