@@ -55,6 +55,18 @@ def test_at_lambda_one_the_targets_are_the_discounted_rewards_to_go_whatever_the
     )
 
 
+def test_verls_v1_trainers_rm_scores_stand_for_the_rewards(tiny_qwen2):
+    """verl 0.9's v1 trainer hands its critic `rm_scores` (the rewards, unless a KL penalty made them
+    token_level_rewards, which it then hands over too, and which win)."""
+    batch = rewarded(seed=2)
+    scores = {**batch, "rm_scores": batch.pop("token_level_rewards")}
+    with_both = {**scores, "token_level_rewards": scores["rm_scores"] * 0}
+    fed = trained(tiny_qwen2, rewarded(seed=2), targets_lam=0.5)
+    for other, same in ((scores, True), (with_both, False)):
+        got = trained(tiny_qwen2, other, targets_lam=0.5)
+        assert all(torch.equal(p, fed[name]) for name, p in got.items()) is same
+
+
 def test_a_batch_without_rewards_is_refused_naming_the_option(tiny_qwen2):
     with pytest.raises(ValueError, match=r"critic.targets_lam=1.0 recomputes .* no token_level_rewards"):
         trained(tiny_qwen2, make_batch(8, 6, 5), targets_lam=1.0)

@@ -33,7 +33,7 @@ from ppo_critic.backends.data_parallel.critic import MicroLoss, MicroResult
 from ppo_critic.config.critic import CriticConfig, ModelConfig
 from ppo_critic.config.env import OPTIONS_ENV, named_in_refusals, with_options
 from ppo_critic.config.verl import engine_section, to_mapping
-from ppo_critic.critics.targets import REWARDS, own_returns
+from ppo_critic.critics.targets import REWARDS, SCORES, own_returns
 from ppo_critic.data.batch import MULTI_MODAL, Batch, to_device
 from ppo_critic.data.batching import check_token_budget, restore_order
 from ppo_critic.data.packing import valid_positions
@@ -326,7 +326,7 @@ class PPOCriticEngine(BaseEngine):
         config = self._critic.config
         if config.targets_lam is None:
             return
-        given = {key: data.get(key, None) for key in (REWARDS, "values", "response_mask")}
+        given = {key: data.get(key, None) for key in (REWARDS, SCORES, "values", "response_mask")}
         tensors = {key: dense_rows(value) for key, value in given.items() if value is not None}
         data["returns"] = jagged_like(own_returns(tensors, tensors["response_mask"], config), data["returns"])
 
