@@ -770,13 +770,13 @@ def ratios(results: list[dict]) -> list[str]:
     if not bases:
         return []
     head = "; ".join(f"{label} {name} ({tokens / 1000:.0f}k)" for label, (name, tokens) in bases.items())
-    lines = [f"Rollout tokens to the target (medians over seeds) against {head}:", ""]
+    lines = []
     for name in ("ours-verl", "ppo-critic", "mc", "learned_mc"):
         mine = median_tokens(results, name)
         if mine is not None:
             parts = [f"{mine / tokens:.2f}× {label}" for label, (_, tokens) in bases.items()]
             lines.append(f"- {name}: {', '.join(parts)}")
-    return lines
+    return [f"Rollout tokens to the target (medians over seeds) against {head}:", "", *lines] if lines else []
 
 
 def probe_summary(probes: list[dict]) -> str:
@@ -800,9 +800,11 @@ def plot(task: str, results: list[dict], out: Path) -> None:
         rows = [r for r in results if r["name"] == name]
         if not rows:
             continue
-        steps = [c[0] for c in rows[0]["curve"]]
-        scores = [[r["curve"][k][2] for r in rows] for k in range(len(steps))]
-        tokens = [statistics.median(r["curve"][k][1] for r in rows) / 1000 for k in range(len(steps))]
+        steps = [c[0] for c in max((r["curve"] for r in rows), key=len)]
+        scores = [[held(r["curve"], k)[2] for r in rows] for k in range(len(steps))]  # a stopped run holds its last
+        tokens = [
+            statistics.median(r["curve"][k][1] for r in rows if k < len(r["curve"])) / 1000 for k in range(len(steps))
+        ]
         mid = [statistics.median(s) for s in scores]
         line = by_step.plot(steps, mid, label=f"{name} ({len(rows)} seeds)")[0]
         by_step.fill_between(
@@ -811,7 +813,7 @@ def plot(task: str, results: list[dict], out: Path) -> None:
         by_tokens.plot(tokens, mid, color=line.get_color())
         for key, style in (("probes", "o:"), ("live_probes", "o-")):  # the fixed probe dotted, own rollouts solid
             if all(r.get(key) for r in rows):
-                at = [p["step"] for p in rows[0][key]]
+                at = [p["step"] for p in min((r[key] for r in rows), key=len)]
                 medians = [statistics.median(r[key][k]["ev"] for r in rows) for k in range(len(at))]
                 ev.plot(at, medians, style, color=line.get_color(), label=name if style == "o-" else None)
     target = ACTOR_TASKS[task].target
@@ -826,6 +828,11 @@ def plot(task: str, results: list[dict], out: Path) -> None:
     fig.tight_layout()
     write_with(out, lambda f: fig.savefig(f, format="png", dpi=90))
     plt.close(fig)
+
+
+def held(curve: list, k: int) -> Any:
+    """The k-th evaluation of `curve`, or its last where the run stopped before (at its target)."""
+    return curve[min(k, len(curve) - 1)]
 
 
 def report(results: Path = RESULTS) -> str:
