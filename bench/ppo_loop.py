@@ -390,6 +390,9 @@ def update_actor(actor, optimizer, batch, advantages, old, ref, alphabet: int, c
 # One run
 
 
+LEVER_FIELDS = ("critic_targets", "critic_options", "critic_mini_batches", "critic_warmup", "critic_init")
+
+
 def check_levers(cfg: LoopConfig) -> None:
     """Refuse a lever that the method cannot take, or a value outside its choices, naming the field."""
     if cfg.critic_targets not in ("own", "actor"):
@@ -401,8 +404,8 @@ def check_levers(cfg: LoopConfig) -> None:
             f"critic_warmup={cfg.critic_warmup} must be >= 0 and critic_mini_batches={cfg.critic_mini_batches} "
             f"must divide batch={cfg.batch}"
         )
-    given = {"critic_targets": "own", "critic_options": (), "critic_mini_batches": 0, "critic_warmup": 0}
-    given = [key for key, default in {**given, "critic_init": "random"}.items() if getattr(cfg, key) != default]
+    default = LoopConfig()
+    given = [key for key in LEVER_FIELDS if getattr(cfg, key) != getattr(default, key)]
     if given and critic_of(cfg.method) is None:
         raise ValueError(f"method {cfg.method!r} has no learned critic: {', '.join(given)} cannot apply")
 
@@ -537,9 +540,10 @@ class Loop:
             old = token_logprobs(self.actor, batch, self.alphabet)
             ref = None if self.ref is None else token_logprobs(self.ref, batch, self.alphabet)
         advantages = self.advantages(batch, step)
-        if step <= self.cfg.critic_warmup:  # verl's critic_warmup: the critic learns, the actor stays
-            return int(batch["response_mask"].sum())
-        update_actor(self.actor, self.optimizer, batch, advantages, old, ref, self.alphabet, self.cfg, self.generator)
+        if step > self.cfg.critic_warmup:  # verl's critic_warmup: until then the critic learns, the actor stays
+            update_actor(
+                self.actor, self.optimizer, batch, advantages, old, ref, self.alphabet, self.cfg, self.generator
+            )
         return int(batch["response_mask"].sum())
 
     def evaluate(self, step: int) -> float:

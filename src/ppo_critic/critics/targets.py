@@ -14,12 +14,10 @@ REWARDS = "token_level_rewards"
 SCORES = "rm_scores"  # verl 0.9's v1 trainer keeps the rewards under this name unless a KL penalty changed them
 
 
-def own_returns(tensors: Mapping[str, Tensor], mask: Tensor, config: CriticConfig) -> Tensor | None:
-    """[B, R] GAE returns under `targets_gamma` and `targets_lam` from the batch's rewards (`token_level_rewards`,
-    else `rm_scores`) and old values, in the values' dtype; None when `targets_lam` is null (the returns stand)."""
+def own_returns(tensors: Mapping[str, Tensor], mask: Tensor, config: CriticConfig) -> Tensor:
+    """[B, R] GAE returns under `targets_gamma` and `targets_lam` (set) from the batch's rewards
+    (`token_level_rewards`, else `rm_scores`) and old values, in the values' dtype."""
     lam = config.targets_lam
-    if lam is None:
-        return None
     rewards_key = REWARDS if REWARDS in tensors or SCORES not in tensors else SCORES
     missing = [key for key in (rewards_key, "values") if key not in tensors]
     if missing:
